@@ -1,0 +1,108 @@
+"""Membership, heartbeat, lifecycle and diagnostics: between any service and the one that feeds
+it (worker -> router), and between the `epd` command and any service.
+
+A worker sends Register to its upstream and waits for Registered (the ready handshake), then a
+Heartbeat every interval carrying its load; the upstream answers each with HeartbeatAck, so both
+sides notice a dead peer. StatusQuery/StatusReply serve `epd status` and health checks. Echo is a
+diagnostic round trip (tensors included) used by `epd bench wire` and tests.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+import msgspec
+
+from messages.registry import Message, register
+
+
+class ServiceState(IntEnum):
+    STARTING = 0
+    RUNNING = 1
+    DRAINING = 2
+    STOPPED = 3
+
+
+class Load(msgspec.Struct, array_like=True, gc=False):
+    """What a service reports about how busy it is; routers choose by it."""
+
+    queue_depth: int = 0
+    in_flight: int = 0
+    batch_size: int = 0
+    kv_usage: float = 0.0         # fraction of KV pages in use, 0..1
+    queued_tokens: int = 0        # prompt tokens waiting for prefill
+    capacity: int = 0             # most concurrent requests it takes (0 = unbounded)
+
+
+@register(0x0101)
+class Register(Message):
+    kind: str          # service kind, e.g. "decode_worker"
+    instance: str      # unique instance name
+    address: str       # where peers reach this instance
+    pid: int = 0
+    role: str = ""
+
+
+@register(0x0102)
+class Registered(Message):
+    heartbeat_interval_s: float
+    dead_after: int
+
+
+@register(0x0103)
+class Heartbeat(Message):
+    instance: str
+    seq: int
+    state: int = ServiceState.RUNNING
+    load: Load = msgspec.field(default_factory=Load)
+
+
+@register(0x0104)
+class HeartbeatAck(Message):
+    seq: int
+    known: bool = True   # False: the upstream forgot us (restarted); register again
+
+
+@register(0x0105)
+class StatusQuery(Message):
+    pass
+
+
+class PeerStatus(msgspec.Struct, array_like=True, gc=False):
+    instance: str
+    kind: str
+    address: str
+    alive: bool
+    last_heartbeat_age_s: float
+    load: Load = msgspec.field(default_factory=Load)
+
+
+@register(0x0106)
+class StatusReply(Message):
+    kind: str
+    instance: str
+    state: int
+    pid: int
+    uptime_s: float
+    load: Load
+    peers: list[PeerStatus] = []
+    upstream: str = ""
+    upstream_connected: bool = False
+
+
+@register(0x0107)
+class Drain(Message):
+    """Ask a service to stop taking work and exit after in-flight work ends (or grace_s passes)."""
+
+    grace_s: float = -1.0   # < 0: the service's configured grace period
+
+
+@register(0x0108)
+class Echo(Message):
+    payload: bytes = b""
+    delay_ms: float = 0.0   # diagnostic: hold the request this long before answering
+
+
+@register(0x0109)
+class EchoReply(Message):
+    payload: bytes = b""
+    handled_by: str = ""

@@ -1,0 +1,149 @@
+"""Frames on the wire: `[type tag (2 bytes, big-endian), header (MessagePack), *buffers]`.
+
+The header carries routing and tracing facts common to every message plus the message body
+(kept as raw MessagePack until the type is known) and a TensorDesc for each buffer frame.
+Decoding is strict: anything but a well-formed frame set of a known type and our schema
+version raises a WireError subclass, never anything else.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from messages.errors import (FrameTooLarge, MalformedFrame, SchemaVersionMismatch,
+                             UnknownMessageType)
+from messages.registry import Message, tag_of, type_of
+from messages.tensors import TensorDesc, check, describe, tensor_view
+
+SCHEMA_VERSION = 1
+
+
+class Header(msgspec.Struct, array_like=True, gc=False):
+    version: int
+    msg_id: str
+    request_id: str
+    traceparent: str   # W3C trace context: 00-<trace id>-<span id>-<flags>
+    sender: str        # instance name of the sending service
+    sent_at: float     # sender's wall clock, seconds since the epoch
+    tensors: list[TensorDesc]
+    body: msgspec.Raw
+    in_reply_to: str = ""   # msg_id of the request this answers (request/reply calls)
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    max_frames: int = 4096
+    max_header_bytes: int = 8 << 20
+    max_buffer_bytes: int = 4 << 30
+    max_total_bytes: int = 16 << 30
+
+
+@dataclass
+class Envelope:
+    """A decoded message with its header and its buffer frames (still zero-copy)."""
+
+    message: Message
+    header: Header
+    buffers: list = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.header.request_id
+
+    def tensor(self, index: int):
+        """Buffer frame `index` as a torch tensor view (no copy)."""
+        if not 0 <= index < len(self.buffers):
+            raise MalformedFrame(f"message refers to tensor {index}, only {len(self.buffers)} travelled")
+        return tensor_view(self.header.tensors[index], self.buffers[index])
+
+
+def new_msg_id() -> str:
+    return os.urandom(8).hex()
+
+
+def _nbytes(frame) -> int:
+    if isinstance(frame, (bytes, bytearray)):
+        return len(frame)
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    return memoryview(buf if buf is not None else frame).nbytes
+
+
+def _as_view(frame):
+    buf = getattr(frame, "buffer", None)
+    return buf if buf is not None else frame
+
+
+class Codec:
+    """Encodes and decodes envelopes. Build one per process (or per service) and reuse it."""
+
+    def __init__(self, sender: str = "", limits: WireLimits = WireLimits()):
+        self.sender = sender
+        self.limits = limits
+        self._encoder = msgspec.msgpack.Encoder()
+        self._header_decoder = msgspec.msgpack.Decoder(Header)
+        self._body_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+    def encode(self, message: Message, *, request_id: str = "", traceparent: str = "",
+               buffers=(), msg_id: str = "", in_reply_to: str = "") -> list:
+        """Frames ready for `send_multipart(..., copy=False)`; buffers are not copied."""
+        tag = tag_of(type(message))
+        descs, views = [], []
+        for buf in buffers:
+            desc, view = describe(buf)
+            descs.append(desc)
+            views.append(view)
+        header = Header(
+            version=SCHEMA_VERSION, msg_id=msg_id or new_msg_id(), request_id=request_id,
+            traceparent=traceparent, sender=self.sender, sent_at=time.time(), tensors=descs,
+            body=msgspec.Raw(self._encoder.encode(message)), in_reply_to=in_reply_to)
+        return [tag.to_bytes(2, "big"), self._encoder.encode(header), *views]
+
+    def decode(self, frames) -> Envelope:
+        """Frames (bytes, memoryviews or zmq.Frame) -> Envelope, or a WireError."""
+        lim = self.limits
+        if len(frames) < 2:
+            raise MalformedFrame(f"expected at least 2 frames (tag, header), got {len(frames)}")
+        if len(frames) > lim.max_frames:
+            raise FrameTooLarge(f"{len(frames)} frames exceed the limit of {lim.max_frames}")
+        tag_frame = bytes(_as_view(frames[0]))
+        if len(tag_frame) != 2:
+            raise MalformedFrame(f"type tag must be 2 bytes, got {len(tag_frame)}")
+        tag = int.from_bytes(tag_frame, "big")
+        cls = type_of(tag)
+        if cls is None:
+            raise UnknownMessageType(f"unknown message type tag {tag:#06x}")
+        header_size = _nbytes(frames[1])
+        if header_size > lim.max_header_bytes:
+            raise FrameTooLarge(f"header of {header_size} bytes exceeds {lim.max_header_bytes}")
+        try:
+            header = self._header_decoder.decode(_as_view(frames[1]))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise MalformedFrame(f"bad header: {exc}") from None
+        if header.version != SCHEMA_VERSION:
+            raise SchemaVersionMismatch(
+                f"schema version {header.version}, this process speaks {SCHEMA_VERSION}",
+                request_id=header.request_id)
+        buffers = [_as_view(f) for f in frames[2:]]
+        if len(buffers) != len(header.tensors):
+            raise MalformedFrame(f"header describes {len(header.tensors)} buffers, {len(buffers)} arrived",
+                                 request_id=header.request_id)
+        total = header_size
+        for desc, buf in zip(header.tensors, buffers):
+            size = _nbytes(buf)
+            if size > lim.max_buffer_bytes:
+                raise FrameTooLarge(f"buffer of {size} bytes exceeds {lim.max_buffer_bytes}")
+            total += size
+            check(desc, size)
+        if total > lim.max_total_bytes:
+            raise FrameTooLarge(f"message of {total} bytes exceeds {lim.max_total_bytes}")
+        decoder = self._body_decoders.get(cls)
+        if decoder is None:
+            decoder = self._body_decoders[cls] = msgspec.msgpack.Decoder(cls)
+        try:
+            message = decoder.decode(header.body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise MalformedFrame(f"bad {cls.__name__} body: {exc}", request_id=header.request_id) from None
+        return Envelope(message=message, header=header, buffers=buffers)

@@ -1,0 +1,40 @@
+"""Gateway <-> its upstream (the unified worker, or the prefill router in the E/P/D topology).
+
+The gateway sends GenerateRequest; tokens come back as GenerateChunk messages addressed to the
+gateway instance that owns the request (`return_address`), the last one with a finish reason.
+AbortRequest cancels (client disconnect). The request id travels in the envelope header.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from messages.common import SamplingParams, TopLogprob, TrafficClass, Usage
+from messages.registry import Message, register
+
+
+@register(0x0201)
+class GenerateRequest(Message):
+    model: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    block_hashes: list[bytes] = []         # one per full 128-token block of the prompt
+    traffic_class: int = TrafficClass.CHATBOT
+    return_address: str = ""               # where GenerateChunk messages go
+    arrival_time: float = 0.0
+    image_refs: list[str] = []             # later: vision embeddings by reference
+    constraint_key: str = ""               # later: compiled grammar in the grammar service
+
+
+@register(0x0202)
+class GenerateChunk(Message):
+    token_ids: list[int]
+    finish_reason: int = 0                 # messages.common.FinishReason
+    logprobs: list[float] = []
+    top_logprobs: list[list[TopLogprob]] = []
+    usage: Usage | None = None             # on the last chunk
+    error: str = ""
+
+
+@register(0x0203)
+class AbortRequest(Message):
+    reason: str = ""

@@ -1,0 +1,32 @@
+"""Workers <-> SWA location registry: who holds the sliding-window state for which prefix block."""
+from __future__ import annotations
+
+from messages.registry import Message, register
+
+
+@register(0x0501)
+class SwaRegister(Message):
+    prefix_hashes: list[bytes]      # hash of the prefix ending at a 128-token boundary
+    holder: str                     # address of the worker that serves the state
+    ttl_s: float = 180.0
+
+
+@register(0x0502)
+class SwaLookup(Message):
+    prefix_hashes: list[bytes]
+
+
+@register(0x0503)
+class SwaLookupReply(Message):
+    holders: list[str]              # one per asked hash, "" where none is registered
+
+
+@register(0x0504)
+class SwaUnregister(Message):
+    prefix_hashes: list[bytes]
+    holder: str
+
+
+@register(0x0505)
+class SwaAck(Message):
+    count: int = 0

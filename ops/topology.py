@@ -1,0 +1,123 @@
+"""Topology files: which services a stack runs, how many of each, and how they find each other.
+
+A TOML file with a [stack] table and one [[service]] table per service:
+    name, kind, replicas, upstream (the name of the service it registers with), settings, and
+    any ServiceConfig field (queue_size, concurrency, hwm, grace_s, heartbeat_s, ...).
+Addresses are assigned here: instance i of the whole stack gets port_base + i.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from services.runtime.config import ServiceConfig
+
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(ServiceConfig)} - {"kind", "instance", "bind", "advertise",
+                                                                           "upstream", "metrics_bind"}
+
+
+@dataclass(slots=True)
+class ServiceSpec:
+    name: str
+    kind: str
+    replicas: int = 1
+    upstream: str = ""                       # name of another service in the topology
+    options: dict[str, Any] = field(default_factory=dict)   # ServiceConfig fields, settings included
+
+    def __post_init__(self) -> None:
+        if not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"service name {self.name!r}: use letters, digits, '_' and '-'")
+        if self.replicas < 1:
+            raise ValueError(f"service {self.name}: replicas must be >= 1")
+        unknown = set(self.options) - _CONFIG_FIELDS
+        if unknown:
+            raise ValueError(f"service {self.name}: unknown keys {sorted(unknown)}")
+
+
+@dataclass(slots=True)
+class Topology:
+    services: list[ServiceSpec]
+    host: str = "127.0.0.1"
+    port_base: int = 5600
+    metrics_offset: int = 100
+    grace_s: float = 10.0
+    ready_timeout_s: float = 60.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.services]
+        if len(set(names)) != len(names):
+            raise ValueError("service names must be unique")
+        for spec in self.services:
+            if spec.upstream and spec.upstream not in names:
+                raise ValueError(f"service {spec.name}: upstream {spec.upstream!r} is not in the topology")
+
+    def spec(self, name: str) -> ServiceSpec:
+        for spec in self.services:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    def instances(self) -> list[tuple[ServiceSpec, int, ServiceConfig]]:
+        """(spec, replica index, config) for every process of the local stack, in start order."""
+        slots: dict[str, list[int]] = {}
+        slot = 0
+        for spec in self.services:
+            slots[spec.name] = list(range(slot, slot + spec.replicas))
+            slot += spec.replicas
+        out = []
+        for spec in self.services:
+            for replica, slot in enumerate(slots[spec.name]):
+                address = f"tcp://{self.host}:{self.port_base + slot}"
+                upstream = ""
+                if spec.upstream:   # register with the upstream's first replica
+                    upstream = f"tcp://{self.host}:{self.port_base + slots[spec.upstream][0]}"
+                options = {"grace_s": self.grace_s, "ready_timeout_s": self.ready_timeout_s, **spec.options}
+                config = ServiceConfig(
+                    kind=spec.kind, instance=f"{spec.name}-{replica}", bind=address, upstream=upstream,
+                    metrics_bind=f"{self.host}:{self.port_base + self.metrics_offset + slot}", **options)
+                out.append((spec, replica, config))
+        return out
+
+
+def load_topology(name_or_path: str | None = None, *, port_base: int | None = None,
+                  host: str | None = None) -> Topology:
+    """A topology from a file path, or by name from the embedded ones ("default", ...)."""
+    name_or_path = name_or_path or "default"
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        text, source = path.read_text(), str(path)
+    else:
+        embedded = resources.files("ops.topologies") / f"{name_or_path}.toml"
+        if not embedded.is_file():
+            raise ValueError(f"no topology file or embedded topology named {name_or_path!r}")
+        text, source = embedded.read_text(), f"embedded:{name_or_path}"
+    return parse_topology(tomllib.loads(text), source=source, port_base=port_base, host=host)
+
+
+def parse_topology(data: dict, *, source: str = "", port_base: int | None = None,
+                   host: str | None = None) -> Topology:
+    stack = dict(data.get("stack", {}))
+    unknown = set(stack) - {"host", "port_base", "metrics_offset", "grace_s", "ready_timeout_s"}
+    if unknown:
+        raise ValueError(f"[stack]: unknown keys {sorted(unknown)}")
+    services = []
+    for raw in data.get("service", []):
+        raw = dict(raw)
+        try:
+            name, kind = raw.pop("name"), raw.pop("kind")
+        except KeyError as exc:
+            raise ValueError(f"[[service]] needs {exc.args[0]!r}") from None
+        services.append(ServiceSpec(name=name, kind=kind, replicas=raw.pop("replicas", 1),
+                                    upstream=raw.pop("upstream", ""), options=raw))
+    if not services:
+        raise ValueError("a topology needs at least one [[service]]")
+    if port_base is not None:
+        stack["port_base"] = port_base
+    if host is not None:
+        stack["host"] = host
+    return Topology(services=services, source=source, **stack)

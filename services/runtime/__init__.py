@@ -1,0 +1,1 @@
+"""The actor shell every service runs in: sockets, lifecycle, membership, logs, metrics."""

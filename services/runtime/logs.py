@@ -1,0 +1,43 @@
+"""structlog set-up: JSON lines on stdout, one configuration per process, called from main().
+
+Every line carries ts (epoch seconds), level, event, service, instance; inside a request the
+runtime binds request_id, trace_id, span_id and parent_span_id through contextvars, which is
+what `epd trace` reads back.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def _epoch_ts(_, __, event_dict):
+    import time
+    event_dict.setdefault("ts", round(time.time(), 6))
+    return event_dict
+
+
+def configure_logging(level: str = "info", stream=None) -> None:
+    if level not in _LEVELS:
+        raise ValueError(f"log level must be one of {sorted(_LEVELS)}")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            _epoch_ts,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(serializer=lambda obj, **kw: json.dumps(obj, default=str)),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        logger_factory=structlog.PrintLoggerFactory(stream or sys.stdout),
+        cache_logger_on_first_use=False,
+    )
+    structlog.contextvars.clear_contextvars()
+
+
+def get_logger(**bound):
+    return structlog.get_logger().bind(**bound)

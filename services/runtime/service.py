@@ -1,0 +1,368 @@
+"""Service: the asyncio shell around a service's logic.
+
+A subclass declares `handlers()` (message type -> async method) once; the shell owns the rest:
+sockets, decoding, a bounded inbound queue, dispatch, replies, request/reply calls to peers,
+membership of the peers that register with it, the link to its own upstream, lifecycle
+(STARTING -> RUNNING -> DRAINING -> STOPPED) and the per-request summary log line.
+
+Handlers return None or a Message (sent back as the reply). A WireError raised by a handler
+becomes an ErrorReply; any other exception becomes an INTERNAL ErrorReply and an error log.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Awaitable, Callable
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from messages import Codec, Envelope, ErrorReply, Message, WireError
+from messages.control import (Drain, Echo, EchoReply, Heartbeat, HeartbeatAck, Load, Register,
+                              Registered, ServiceState, StatusQuery, StatusReply)
+from messages.envelope import new_msg_id
+from messages.errors import Draining, ErrorCode, Overloaded, PeerDead, RequestTimeout, UnexpectedMessage
+from services.runtime.config import ServiceConfig
+from services.runtime.context import Context
+from services.runtime.membership import DispatchTracker, MembershipTable, Peer
+from services.runtime.metrics import ServiceMetrics
+from services.runtime.tracing import SpanContext, span_from
+from services.runtime.transport import Inbox, Link
+from services.runtime.upstream import UpstreamLink
+
+Handler = Callable[[Message, Context], Awaitable[Message | None]]
+
+# Handled at once, never queued and never refused while draining: they keep the mesh alive.
+CONTROL_TYPES = (Register, Heartbeat, HeartbeatAck, Registered, StatusQuery, StatusReply, Drain)
+
+
+class Service:
+    kind = "echo"   # the base class alone is a complete diagnostic service: status, membership, echo
+
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self.codec = Codec(sender=config.instance)
+        self.metrics = ServiceMetrics(self.kind, config.instance)
+        self.log = structlog.get_logger().bind(service=self.kind, instance=config.instance)
+        self.members = MembershipTable(config.dead_after_s)
+        self.dispatched = DispatchTracker()
+        self.state = ServiceState.STARTING
+        self.started_at = time.time()
+        self.inbox: Inbox | None = None
+        self.upstream: UpstreamLink | None = None
+        self._handlers: dict[type, Handler] = {
+            Register: self._on_register, Heartbeat: self._on_heartbeat, StatusQuery: self._on_status,
+            Drain: self._on_drain, Echo: self._on_echo, **self.handlers()}
+        self._zmq: zmq.asyncio.Context | None = None
+        self._links: dict[str, Link] = {}
+        self._pending: dict[str, tuple[asyncio.Future, str]] = {}   # msg id -> (reply future, address)
+        self._queue: asyncio.Queue[Context] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._active = 0
+        self._stopped: asyncio.Event | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    # ---- to override -------------------------------------------------------------------
+    def handlers(self) -> dict[type, Handler]:
+        return {}
+
+    async def on_start(self) -> None:
+        """Acquire resources (load a model, open a store) before the service reports RUNNING."""
+
+    async def on_stop(self) -> None:
+        """Release resources; called once, after in-flight work ended or the grace period ran out."""
+
+    def in_flight(self) -> int:
+        """Work this service still holds (a subclass adds streams it runs in the background)."""
+        return self._active
+
+    def load(self) -> Load:
+        return Load(queue_depth=self._queue.qsize() if self._queue else 0, in_flight=self.in_flight())
+
+    def on_peer_dead(self, peer: Peer) -> None:
+        """A registered peer stopped heartbeating: fail the work it held with PEER_DEAD."""
+        for request_id, caller in self.dispatched.take_held_by(peer.instance):
+            self.log.warning("request.peer_dead", request_id=request_id, peer=peer.instance)
+            self._try_reply(caller, PeerDead(f"{peer.instance} died holding the request").to_reply())
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def run(self, *, install_signals: bool = True) -> int:
+        """Serve until stopped; returns the process exit code."""
+        loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        self._queue = asyncio.Queue(self.config.queue_size)
+        if install_signals:
+            loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
+            loop.add_signal_handler(signal.SIGINT, self.begin_drain)
+        self._zmq = zmq.asyncio.Context()
+        try:
+            self.inbox = Inbox(self._zmq, self.config.bind, self.config.hwm)
+            await self.on_start()
+        except Exception as exc:
+            self.log.error("service.start_failed", error=repr(exc), bind=self.config.bind)
+            self._close_sockets(linger_ms=0)
+            return 1
+        self._spawn(self._read_inbox())
+        for _ in range(self.config.concurrency):
+            self._spawn(self._work())
+        self._spawn(self._expire_peers())
+        if self.config.upstream:
+            self.upstream = UpstreamLink(self)
+            self._spawn(self.upstream.run())
+        if self.config.metrics_bind:
+            from services.runtime.http import serve_metrics
+            self._spawn(serve_metrics(self))
+        self._set_state(ServiceState.RUNNING)
+        self.log.info("service.ready", kind=self.kind, bind=self.inbox.bound,
+                      advertise=self.config.advertise, pid=os.getpid())
+        await self._stopped.wait()
+        await self._shutdown()
+        return 0
+
+    def begin_drain(self, grace_s: float | None = None) -> None:
+        """Stop taking work; stop once in-flight work is done or the grace period ends. Idempotent."""
+        if self.state != ServiceState.RUNNING:
+            if self.state == ServiceState.STARTING and self._stopped is not None:
+                self._stopped.set()
+            return
+        grace = self.config.grace_s if grace_s is None or grace_s < 0 else grace_s
+        self._set_state(ServiceState.DRAINING)
+        self.log.info("service.draining", grace_s=grace, in_flight=self.in_flight())
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain(grace))
+
+    def stop(self) -> None:
+        """Stop now (idempotent); in-flight work is abandoned."""
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def _drain(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and (self.in_flight() or self._queue.qsize()):
+            await asyncio.sleep(0.02)
+        left = self.in_flight()
+        self.log.info("service.drained" if not left else "service.grace_expired", abandoned=left)
+        self.stop()
+
+    async def _shutdown(self) -> None:
+        self._set_state(ServiceState.STOPPED)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self.on_stop()
+        finally:
+            self._close_sockets()
+            self.log.info("service.stopped")
+
+    def _close_sockets(self, linger_ms: int | None = None) -> None:
+        for link in self._links.values():
+            link.close(0)
+        self._links.clear()
+        if self.inbox is not None:
+            self.inbox.close() if linger_ms is None else self.inbox.close(linger_ms)
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
+
+    def _set_state(self, state: ServiceState) -> None:
+        self.state = state
+        self.metrics.state.set(int(state))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.append(task)
+        return task
+
+    # ---- sending -----------------------------------------------------------------------
+    def link(self, address: str) -> Link:
+        link = self._links.get(address)
+        if link is None:
+            link = self._links[address] = Link(self._zmq, address, self.config.hwm)
+            self._spawn(self._read_link(link))
+        return link
+
+    def drop_link(self, address: str) -> None:
+        """Close the link to a dead or abandoned peer at once (LINGER 0: drop what is queued)."""
+        link = self._links.pop(address, None)
+        if link is not None:
+            link.close(0)
+        for future, target in list(self._pending.values()):   # calls to it will never be answered
+            if target == address and not future.done():
+                future.set_exception(PeerDead(f"{address} is gone"))
+
+    def send(self, address: str, message: Message, *, request_id: str = "", span: SpanContext | None = None,
+             buffers=(), msg_id: str = "") -> None:
+        frames = self.codec.encode(message, request_id=request_id, buffers=buffers, msg_id=msg_id,
+                                   traceparent=span.traceparent if span else "")
+        self.link(address).send(frames)
+        self.metrics.sent(type(message).__name__)
+
+    async def call(self, address: str, message: Message, *, request_id: str = "",
+                   span: SpanContext | None = None, buffers=(), timeout: float | None = None) -> Envelope:
+        """Send and wait for the reply; an ErrorReply is raised as RemoteError."""
+        msg_id = new_msg_id()
+        future = asyncio.get_running_loop().create_future()
+        self._pending[msg_id] = (future, address)
+        try:
+            self.send(address, message, request_id=request_id, span=span, buffers=buffers, msg_id=msg_id)
+            envelope = await asyncio.wait_for(future, timeout or self.config.call_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"{type(message).__name__} to {address} got no reply", request_id=request_id) from None
+        finally:
+            self._pending.pop(msg_id, None)
+        if isinstance(envelope.message, ErrorReply):
+            raise envelope.message.to_exception(request_id)
+        return envelope
+
+    # ---- receiving ---------------------------------------------------------------------
+    async def _read_inbox(self) -> None:
+        while True:
+            identity, frames = await self.inbox.recv()
+            self._accept(frames, identity=identity)
+
+    async def _read_link(self, link: Link) -> None:
+        try:
+            while True:
+                self._accept(await link.recv(), link=link)
+        except zmq.ZMQError:   # the link was closed under us
+            return
+
+    def _accept(self, frames: list, *, identity: bytes | None = None, link: Link | None = None) -> None:
+        try:
+            envelope = self.codec.decode(frames)
+        except WireError as exc:
+            self.metrics.error(exc.code.name)
+            self.log.warning("wire.rejected", code=exc.code.name, error=exc.message,
+                             origin=identity.hex() if identity is not None else link.address)
+            if identity is not None:   # answer on the inbox; never answer a reply (no error ping-pong)
+                self._try_send_inbox(identity, exc.to_reply(), exc.request_id)
+            return
+        header = envelope.header
+        type_name = type(envelope.message).__name__
+        self.metrics.received(type_name)
+        pending = self._pending.get(header.in_reply_to) if header.in_reply_to else None
+        if pending is not None:
+            if not pending[0].done():
+                pending[0].set_result(envelope)
+            return
+        ctx = Context(self, envelope, span_from(header.traceparent), identity=identity, link=link)
+        handler = self._handlers.get(type(envelope.message))
+        if handler is None:
+            if not isinstance(envelope.message, ErrorReply):
+                self._try_reply(ctx, UnexpectedMessage(f"{self.kind} does not handle {type_name}").to_reply())
+            self.log.warning("message.unhandled", type=type_name, request_id=header.request_id)
+            return
+        if isinstance(envelope.message, CONTROL_TYPES):
+            self._spawn_short(self._handle(ctx, handler))
+            return
+        if self.state != ServiceState.RUNNING:
+            self._try_reply(ctx, Draining(f"{self.config.instance} is {ServiceState(self.state).name.lower()}").to_reply())
+            return
+        try:
+            self._queue.put_nowait(ctx)
+        except asyncio.QueueFull:
+            self._try_reply(ctx, Overloaded(f"{self.config.instance} inbound queue is full "
+                                            f"({self.config.queue_size})").to_reply())
+            return
+        self._active += 1   # counted from acceptance so a drain never misses queued work
+        self.metrics.queue_depth.set(self._queue.qsize())
+
+    def _spawn_short(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _work(self) -> None:
+        while True:
+            ctx = await self._queue.get()
+            self.metrics.queue_depth.set(self._queue.qsize())
+            self.metrics.in_flight.set(self._active)
+            try:
+                await self._handle(ctx, self._handlers[type(ctx.message)], summarize=True)
+            finally:
+                self._active -= 1
+                self.metrics.in_flight.set(self._active)
+
+    async def _handle(self, ctx: Context, handler: Handler, summarize: bool = False) -> None:
+        header = ctx.envelope.header
+        type_name = type(ctx.message).__name__
+        started = time.time()
+        outcome = "ok"
+        with structlog.contextvars.bound_contextvars(**ctx.log_fields()):
+            try:
+                reply = await handler(ctx.message, ctx)
+                if reply is not None:
+                    ctx.reply(reply)
+            except WireError as exc:
+                outcome = exc.code.name
+                self.metrics.error(exc.code.name)
+                self._try_reply(ctx, exc.to_reply())
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
+            except Exception as exc:   # a bug in a handler: answer, log, keep serving
+                outcome = ErrorCode.INTERNAL.name
+                self.metrics.error(outcome)
+                self.log.exception("handler.failed", type=type_name)
+                self._try_reply(ctx, ErrorReply(int(ErrorCode.INTERNAL), f"{type_name}: {exc!r}"))
+            finally:
+                done = time.time()
+                self.metrics.observe(type_name, done - started)
+                if summarize and header.request_id:
+                    self.log.info("request.summary", type=type_name, sender=header.sender, start=started,
+                                  wire_ms=round((ctx.received_at - header.sent_at) * 1e3, 3),
+                                  queue_ms=round((started - ctx.received_at) * 1e3, 3),
+                                  handle_ms=round((done - started) * 1e3, 3), outcome=outcome)
+
+    def _try_reply(self, ctx, reply: Message) -> None:
+        if not isinstance(ctx, Context) or ctx.replied:
+            return
+        try:
+            ctx.reply(reply)
+        except WireError as exc:
+            self.log.warning("reply.undeliverable", code=exc.code.name, request_id=ctx.request_id)
+
+    def _try_send_inbox(self, identity: bytes, reply: Message, request_id: str) -> None:
+        try:
+            self.inbox.send(identity, self.codec.encode(reply, request_id=request_id))
+        except WireError as exc:
+            self.log.warning("reply.undeliverable", code=exc.code.name)
+
+    # ---- built-in handlers -------------------------------------------------------------
+    async def _on_register(self, msg: Register, ctx: Context) -> Registered:
+        self.members.register(msg.instance, msg.kind, msg.address, msg.role, time.monotonic())
+        self.metrics.peers_alive.set(len(self.members.alive()))
+        self.log.info("peer.registered", peer=msg.instance, peer_kind=msg.kind, address=msg.address)
+        return Registered(self.config.heartbeat_s, self.config.dead_after)
+
+    async def _on_heartbeat(self, msg: Heartbeat, ctx: Context) -> HeartbeatAck:
+        known = self.members.heartbeat(msg.instance, msg.state, msg.load, time.monotonic())
+        return HeartbeatAck(msg.seq, known)
+
+    async def _on_status(self, msg: StatusQuery, ctx: Context) -> StatusReply:
+        return StatusReply(
+            kind=self.kind, instance=self.config.instance, state=int(self.state), pid=os.getpid(),
+            uptime_s=round(time.time() - self.started_at, 3), load=self.load(),
+            peers=self.members.status(time.monotonic()), upstream=self.config.upstream,
+            upstream_connected=bool(self.upstream and self.upstream.connected))
+
+    async def _on_drain(self, msg: Drain, ctx: Context) -> StatusReply:
+        self.begin_drain(msg.grace_s)
+        return await self._on_status(StatusQuery(), ctx)
+
+    async def _on_echo(self, msg: Echo, ctx: Context) -> None:
+        if msg.delay_ms > 0:
+            await asyncio.sleep(msg.delay_ms / 1e3)
+        env = ctx.envelope   # echo the buffers back as they came: no copy, same descriptors
+        ctx.reply(EchoReply(msg.payload, self.config.instance), buffers=list(zip(env.header.tensors, env.buffers)))
+
+    async def _expire_peers(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s / 2)
+            for peer in self.members.expire(time.monotonic()):
+                self.log.warning("peer.dead", peer=peer.instance, peer_kind=peer.kind, address=peer.address)
+                self.drop_link(peer.address)
+                self.on_peer_dead(peer)
+            self.metrics.peers_alive.set(len(self.members.alive()))

@@ -1,0 +1,69 @@
+"""The link from a service to the one that feeds it: register (the ready handshake), heartbeat
+with load every interval, and reconnect with back-off when the upstream stops answering
+(a liveness counter, as in zguide's Paranoid Pirate)."""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import TYPE_CHECKING
+
+from messages import WireError
+from messages.control import Heartbeat, Register, Registered
+
+if TYPE_CHECKING:
+    from services.runtime.service import Service
+
+BACKOFF_START_S = 0.25
+BACKOFF_MAX_S = 8.0
+
+
+class UpstreamLink:
+    def __init__(self, service: "Service"):
+        self.service = service
+        self.address = service.config.upstream
+        self.connected = False
+        self.reconnects = 0
+
+    async def run(self) -> None:
+        svc, cfg = self.service, self.service.config
+        backoff = BACKOFF_START_S
+        while True:
+            try:
+                await self._register()
+                backoff = BACKOFF_START_S
+                await self._heartbeat_until_lost()
+            except WireError as exc:
+                svc.log.warning("upstream.unreachable", upstream=self.address, error=exc.message,
+                                retry_in_s=backoff)
+            self.connected = False
+            svc.drop_link(self.address)    # LINGER 0: a fresh socket, nothing stale queued
+            self.reconnects += 1
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _register(self) -> None:
+        svc, cfg = self.service, self.service.config
+        reply = await svc.call(self.address, Register(svc.kind, cfg.instance, cfg.advertise, os.getpid()),
+                               timeout=cfg.ready_timeout_s if not self.reconnects else cfg.dead_after_s)
+        registered: Registered = reply.message
+        self.connected = True
+        svc.log.info("upstream.registered", upstream=self.address, heartbeat_s=registered.heartbeat_interval_s)
+
+    async def _heartbeat_until_lost(self) -> None:
+        svc, cfg = self.service, self.service.config
+        seq, missed = 0, 0
+        loop = asyncio.get_running_loop()
+        while missed < cfg.dead_after:
+            seq += 1
+            started = loop.time()
+            try:
+                reply = await svc.call(self.address, Heartbeat(cfg.instance, seq, int(svc.state), svc.load()),
+                                       timeout=cfg.heartbeat_s)
+                missed = 0
+                if not reply.message.known:
+                    svc.log.warning("upstream.forgot_us", upstream=self.address)
+                    return
+            except WireError:
+                missed += 1
+            await asyncio.sleep(max(0.0, cfg.heartbeat_s - (loop.time() - started)))
+        svc.log.warning("upstream.lost", upstream=self.address, missed=missed)
