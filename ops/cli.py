@@ -11,6 +11,7 @@ COMMAND_MODULES = (
     "ops.stack_commands",    # up, down, status, health
     "ops.trace",             # trace
     "ops.tap",               # tap
+    "ops.compose",           # compose
     "ops.bench",             # bench ...
     "ops.model_commands",    # model init
 )
