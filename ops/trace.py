@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-CURRENT_RUN = Path(".epd/runs/current")
 SUMMARY = "request.summary"
 STANDARD_KEYS = frozenset({"ts", "level", "event", "service", "instance", "request_id", "trace_id",
                            "span_id", "parent_span_id"})
@@ -307,10 +306,12 @@ def resolve_sources(sources: list[str], run_dir: str | None) -> list[str | Path]
     """Paths of the log files to read ("-" is stdin); a directory means its logs/*.log or *.log."""
     names = list(sources) + ([run_dir] if run_dir else [])
     if not names:
-        if not CURRENT_RUN.exists():
-            raise TraceSourceError(f"no sources given and no current run at {CURRENT_RUN} "
+        from ops.stack_commands import current_run_dir
+        current = current_run_dir()
+        if not current.exists():
+            raise TraceSourceError(f"no sources given and no current run at {current} "
                                    "(name log files, a run directory, or - for stdin)")
-        names = [str(CURRENT_RUN)]
+        names = [str(current)]
     paths: list[str | Path] = []
     for name in names:
         if name == "-":
@@ -368,7 +369,7 @@ def register(subparsers) -> None:
     parser.add_argument("request_id", metavar="REQUEST_ID", help="a request id (or trace id)")
     parser.add_argument("sources", nargs="*", metavar="SOURCE",
                         help="log files, run directories, or - for stdin (docker compose logs); "
-                             f"default: {CURRENT_RUN}")
+                             "default: the current run (.epd/runs/current, or $EPD_RUN_ROOT/current)")
     parser.add_argument("--run-dir", help="a run directory whose logs/*.log to read")
     parser.add_argument("--chrome", metavar="FILE", help="also write Chrome/Perfetto trace-event JSON here")
     parser.set_defaults(func=run)
