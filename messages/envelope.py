@@ -120,7 +120,7 @@ class Codec:
             raise FrameTooLarge(f"header of {header_size} bytes exceeds {lim.max_header_bytes}")
         try:
             header = self._header_decoder.decode(_as_view(frames[1]))
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # nesting too deep
             raise MalformedFrame(f"bad header: {exc}") from None
         if header.version != SCHEMA_VERSION:
             raise SchemaVersionMismatch(
@@ -144,6 +144,6 @@ class Codec:
             decoder = self._body_decoders[cls] = msgspec.msgpack.Decoder(cls)
         try:
             message = decoder.decode(header.body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             raise MalformedFrame(f"bad {cls.__name__} body: {exc}", request_id=header.request_id) from None
         return Envelope(message=message, header=header, buffers=buffers)

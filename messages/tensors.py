@@ -23,6 +23,7 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 _NAME_OF_TORCH = {v: k for k, v in _TORCH_DTYPES.items()}
 _ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in _TORCH_DTYPES.items()}
 MAX_NDIM = 8
+_INT64_MAX = 2**63 - 1
 
 
 class TensorDesc(msgspec.Struct, array_like=True, gc=False):
@@ -65,10 +66,16 @@ def check(desc: TensorDesc, nbytes: int) -> None:
     """Raise MalformedFrame unless the frame of `nbytes` matches its descriptor."""
     if desc.dtype not in _ITEMSIZE:
         raise MalformedFrame(f"unknown tensor dtype {desc.dtype!r}")
-    if len(desc.shape) > MAX_NDIM or any(d < 0 for d in desc.shape):
+    if len(desc.shape) > MAX_NDIM or any(d < 0 for d in desc.shape) or _strides_overflow(desc.shape):
         raise MalformedFrame(f"invalid tensor shape {desc.shape}")
     if desc.nbytes() != nbytes:
         raise MalformedFrame(f"tensor frame holds {nbytes} bytes, descriptor {desc.dtype}{list(desc.shape)} needs {desc.nbytes()}")
+
+
+def _strides_overflow(shape: tuple[int, ...]) -> bool:
+    """True where torch cannot build the shape: its strides (sizes taken as at least 1) pass int64.
+    Only an empty frame can claim such a shape, as a 0 dim makes its byte count 0."""
+    return math.prod(max(d, 1) for d in shape) > _INT64_MAX
 
 
 def tensor_view(desc: TensorDesc, buf) -> torch.Tensor:
