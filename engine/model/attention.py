@@ -1,0 +1,135 @@
+"""V4 attention: shared-KV MQA over [sliding window | compressed entries] with per-head sinks.
+
+Projections run on the packed tokens of the whole batch; the compressors and the attention core
+run per sequence against that sequence's explicit state.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.batch import ForwardBatch
+from engine.model.compressor import Indexer, WindowPooler
+from engine.model.config import CSA, HCA, SLIDING, ModelConfig
+from engine.model.norms import RMSNorm, unweighted_rms_norm
+from engine.model.rope import Rotary, apply_rope
+from engine.model.state import LayerState
+
+QUERY_BLOCK = 256  # queries per attention block: bounds the score tensor for long prefills
+
+
+class GroupedLinear(nn.Linear):
+    """Block-diagonal projection: each of `groups` input slices has its own [out/groups, in] block."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int):
+        super().__init__(in_per_group, out_features, bias=False)
+        self.groups = groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, groups, in_per_group] -> [T, groups * out_per_group]."""
+        weight = self.weight.view(self.groups, -1, self.weight.shape[-1])
+        return torch.einsum("tgi,goi->tgo", x, weight).flatten(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotaries: dict[str, Rotary]):
+        super().__init__()
+        self.layer = layer
+        self.layer_type = config.layer_types[layer]
+        self.rope_flavour = "main" if self.layer_type == SLIDING else "compress"
+        self.n_heads, self.head_dim = config.num_heads, config.head_dim
+        self.window = config.sliding_window
+        self.scale = config.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+        self.ratio = config.compress_ratio(layer)
+        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, config.num_heads * config.head_dim, bias=False)
+        self.kv_proj = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+        self.kv_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        per_group = config.num_heads * config.head_dim // config.o_groups
+        self.o_groups = config.o_groups
+        self.o_a_proj = GroupedLinear(per_group, config.o_groups * config.o_lora_rank, config.o_groups)
+        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(config.num_heads, dtype=torch.float32))
+        if self.layer_type == CSA:
+            self.compressor = WindowPooler(config, config.head_dim, self.ratio, True, rotaries["compress"])
+            self.compressor.indexer = Indexer(config, rotaries["compress"])
+        elif self.layer_type == HCA:
+            self.compressor = WindowPooler(config, config.head_dim, self.ratio, False, rotaries["compress"])
+        else:
+            self.compressor = None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        cos, sin = batch.rope[self.rope_flavour]
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_residual).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        packed = {}
+        if self.compressor is not None:
+            packed["kv"], packed["gate"] = self.compressor.project(x)
+        if self.layer_type == CSA:
+            indexer = self.compressor.indexer
+            packed["ikv"], packed["igate"] = indexer.project(x)
+            packed["iq"] = indexer.queries(q_residual, cos, sin)
+            packed["iw"] = indexer.scorer.head_weights(x)
+        out = torch.empty_like(q)
+        for (start, end), state in zip(batch.spans, batch.states):
+            span = {name: t[start:end] for name, t in packed.items()}
+            layer_state = state.layers[self.layer]
+            out[start:end] = self._attend_sequence(q[start:end], kv[start:end], span, layer_state, state.num_tokens)
+        out = apply_rope(out, cos, -sin)
+        return self.o_b_proj(self.o_a_proj(out.reshape(out.shape[0], self.o_groups, -1)))
+
+    def _attend_sequence(self, q, kv, span: dict, state: LayerState, first_pos: int) -> torch.Tensor:
+        """One sequence's new tokens (positions first_pos...) against its state; updates the state."""
+        window_start = first_pos - state.window.shape[0]
+        keys = torch.cat([state.window, kv])
+        state.window = keys[-self.window :].clone()
+        entries = None
+        if self.compressor is not None:
+            first_entry = state.entries.shape[0]
+            new = self.compressor.pool(span["kv"], span["gate"], state.tail, first_entry)
+            state.entries = entries = torch.cat([state.entries, new])
+        if self.layer_type == CSA:
+            indexer = self.compressor.indexer
+            new = indexer.pool(span["ikv"], span["igate"], state.index_tail, state.index_keys.shape[0])
+            state.index_keys = torch.cat([state.index_keys, new])
+        out = torch.empty_like(q)
+        for lo in range(0, q.shape[0], QUERY_BLOCK):
+            rows = slice(lo, min(lo + QUERY_BLOCK, q.shape[0]))
+            first, last = first_pos + rows.start, first_pos + rows.stop - 1  # the block's query positions
+            positions = torch.arange(first, last + 1, device=q.device)
+            key_lo = max(first - self.window + 1, window_start)
+            block_keys = keys[key_lo - window_start : last + 1 - window_start]
+            mask = self._window_mask(positions, key_lo, last)
+            if entries is not None:
+                n_visible = (last + 1) // self.ratio
+                block_keys = torch.cat([block_keys, entries[:n_visible]])
+                mask = torch.cat([mask, self._entry_mask(positions, n_visible, span, state, rows)], dim=1)
+            out[rows] = self._softmax_attend(q[rows], block_keys, mask)
+        return out
+
+    def _window_mask(self, positions: torch.Tensor, key_lo: int, last: int) -> torch.Tensor:
+        """Query at position p sees window keys at positions [p - window + 1, p]."""
+        key_positions = torch.arange(key_lo, last + 1, device=positions.device)
+        distance = positions[:, None] - key_positions[None, :]
+        return (distance >= 0) & (distance < self.window)
+
+    def _entry_mask(self, positions, n_visible: int, span: dict, state: LayerState, rows: slice) -> torch.Tensor:
+        """Entry w is visible at position p iff (w + 1) * ratio <= p + 1; CSA keeps the indexer's top-k."""
+        if self.layer_type == CSA:
+            indexer = self.compressor.indexer
+            return indexer.select(span["iq"][rows], span["iw"][rows], state.index_keys[:n_visible], positions)
+        entry = torch.arange(n_visible, device=positions.device)
+        return entry[None, :] < ((positions + 1) // self.ratio)[:, None]
+
+    def _softmax_attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One softmax over the visible keys plus a per-head sink logit; keys double as values."""
+        logits = (torch.einsum("qhd,kd->qhk", q, keys) * self.scale).float()
+        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+        sinks = self.sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1]
+        return torch.einsum("qhk,kd->qhd", probs.to(keys.dtype), keys)

@@ -1,0 +1,127 @@
+"""KV compressors (CSA ratio 4 with overlapping windows, HCA ratio 128) and the lightning indexer.
+
+A pooler turns every complete window of `ratio` tokens into one entry: a softmax over the window's
+slots of (gate logit + position bias), per channel, weights the projected kv; then RMSNorm and RoPE
+at the window's first position. CSA (`overlap=True`) projects two series per token: the first
+half ("Ca") feeds the *next* window's entry, the second half ("Cb") the current one, so entry w
+pools 2 * ratio slots (Ca of window w-1, Cb of window w).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.config import ModelConfig
+from engine.model.norms import RMSNorm
+from engine.model.rope import Rotary, apply_rope
+from engine.model.state import PoolerTail
+
+
+class WindowPooler(nn.Module):
+    def __init__(self, config: ModelConfig, head_dim: int, ratio: int, overlap: bool, rotary: Rotary):
+        super().__init__()
+        width = 2 * head_dim if overlap else head_dim
+        self.head_dim, self.ratio, self.overlap = head_dim, ratio, overlap
+        self.kv_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.kv_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.rotary = rotary
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (kv, raw gate logits), each [T, width]."""
+        return self.kv_proj(x), self.gate_proj(x)
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, tail: PoolerTail, first_entry: int) -> torch.Tensor:
+        """Append one sequence's new tokens to its tail; return the entries of the windows they complete.
+
+        `first_entry` is the number of entries emitted so far (the next entry's index). Updates `tail`.
+        """
+        kv = torch.cat([tail.pending_kv, kv])
+        gate = torch.cat([tail.pending_gate, gate])
+        usable = kv.shape[0] // self.ratio * self.ratio
+        tail.pending_kv, tail.pending_gate = kv[usable:].clone(), gate[usable:].clone()
+        if usable == 0:
+            return kv.new_empty(0, self.head_dim)
+        n_windows, m, d = usable // self.ratio, self.ratio, self.head_dim
+        window_kv = kv[:usable].view(n_windows, m, -1)
+        window_gate = gate[:usable].view(n_windows, m, -1) + self.position_bias
+        if self.overlap:
+            slot_kv, slot_gate = self._overlap_slots(window_kv, window_gate, tail)
+            tail.overlap_kv = kv[usable - m : usable, :d].clone()
+            tail.overlap_gate = gate[usable - m : usable, :d].clone()
+        else:
+            slot_kv, slot_gate = window_kv, window_gate
+        weights = slot_gate.softmax(dim=1, dtype=torch.float32).to(slot_kv.dtype)
+        pooled = self.kv_norm((slot_kv * weights).sum(dim=1))
+        positions = (first_entry + torch.arange(n_windows, device=kv.device)) * m
+        cos, sin = self.rotary.cos_sin(positions, pooled.dtype)
+        return apply_rope(pooled, cos, sin)
+
+    def _overlap_slots(self, window_kv, window_gate, tail: PoolerTail):
+        """[n_windows, 2m, d] slots: Ca of the previous window, then Cb of this one."""
+        m, d = self.ratio, self.head_dim
+        if tail.overlap_kv is None:  # the very first window has no predecessor: weight 0
+            first_kv = window_kv.new_zeros(1, m, d)
+            first_gate = window_gate.new_full((1, m, d), float("-inf"))
+        else:
+            first_kv = tail.overlap_kv.to(window_kv.dtype)[None]
+            first_gate = (tail.overlap_gate + self.position_bias[:, :d])[None].to(window_gate.dtype)
+        previous_kv = torch.cat([first_kv, window_kv[:-1, :, :d]])
+        previous_gate = torch.cat([first_gate, window_gate[:-1, :, :d]])
+        slot_kv = torch.cat([previous_kv, window_kv[:, :, d:]], dim=1)
+        slot_gate = torch.cat([previous_gate, window_gate[:, :, d:]], dim=1)
+        return slot_kv, slot_gate
+
+
+class IndexScorer(nn.Module):
+    """score[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) * index_head_dim^-0.5."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.softmax_scale = config.index_head_dim**-0.5
+        self.weights_scaling = config.index_n_heads**-0.5
+        self.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weights_proj(x).float() * self.weights_scaling
+
+    def forward(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+        """q [n, h, d], keys [E, d], head_weights [n, h] -> scores [n, E] (fp32).
+
+        The head sum runs in fp64, where adding these fp32 terms is exact in any order, so equal
+        terms give equal scores wherever the entry sits and however many queries run together.
+        """
+        scores = torch.relu(torch.matmul(q.float(), keys.float().t())) * self.softmax_scale
+        return (scores * head_weights.unsqueeze(-1)).double().sum(dim=1).float()
+
+
+class Indexer(WindowPooler):
+    """Lightning indexer: its own overlapping compressor of small keys plus multi-head scoring."""
+
+    def __init__(self, config: ModelConfig, rotary: Rotary):
+        ratio = config.compress_rates["compressed_sparse_attention"]
+        super().__init__(config, config.index_head_dim, ratio, overlap=True, rotary=rotary)
+        self.n_heads, self.top_k = config.index_n_heads, config.index_topk
+        self.q_b_proj = nn.Linear(config.q_lora_rank, config.index_n_heads * config.index_head_dim, bias=False)
+        self.scorer = IndexScorer(config)
+
+    def queries(self, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self.q_b_proj(q_residual).unflatten(-1, (self.n_heads, self.head_dim))
+        return apply_rope(q, cos, sin)
+
+    def select(self, q, head_weights, keys, positions) -> torch.Tensor:
+        """Entries each query attends: the top-k visible by score, ties to the lower index. [n, E] bool.
+
+        Entry w is visible to the query at position p iff (w + 1) * ratio <= p + 1.
+        """
+        entry = torch.arange(keys.shape[0], device=keys.device)
+        visible = entry[None, :] < ((positions + 1) // self.ratio)[:, None]
+        if keys.shape[0] <= self.top_k:
+            return visible
+        scores = self.scorer(q, keys, head_weights).masked_fill(~visible, float("-inf"))
+        # A stable descending sort keeps equal scores in index order: deterministic for any shape.
+        chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+        selected = torch.zeros_like(visible).scatter_(1, chosen, True)
+        return selected & visible

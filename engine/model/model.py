@@ -1,0 +1,114 @@
+"""DeepSeek V4 causal LM over explicit per-sequence state.
+
+`DeepseekV4.forward(chunks, states)` processes a chunk of new tokens for each sequence (any size:
+a whole prompt, a prefill piece, or one decode token), advancing each `SequenceState` in place.
+Parameter names follow the Hugging Face checkpoint layout (`model.layers.N...`, `lm_head.weight`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from engine.model.attention import Attention
+from engine.model.batch import ForwardBatch
+from engine.model.config import ModelConfig
+from engine.model.hyper import HyperConnection, HyperHead, merge_streams
+from engine.model.moe import MoE
+from engine.model.norms import RMSNorm
+from engine.model.rope import Rotary
+from engine.model.state import SequenceState
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotaries: dict[str, Rotary]):
+        super().__init__()
+        self.self_attn = Attention(config, layer, rotaries)
+        self.mlp = MoE(config, layer)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """streams [T, hc_mult, hidden] -> same."""
+        post, comb, collapsed = self.attn_hc(streams)
+        streams = merge_streams(streams, self.self_attn(self.input_layernorm(collapsed), batch), post, comb)
+        post, comb, collapsed = self.ffn_hc(streams)
+        mlp_out = self.mlp(self.post_attention_layernorm(collapsed), batch.input_ids)
+        return merge_streams(streams, mlp_out, post, comb)
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, rotaries: dict[str, Rotary]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rotaries) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = HyperHead(config)
+        self.hc_mult = config.hc_mult
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)
+        streams = hidden.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, batch)
+        return self.norm(self.hc_head(streams))
+
+
+class DeepseekV4(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.rotaries = {
+            "main": Rotary(config.main_rope, config.rope_dim, config.max_position_embeddings),
+            "compress": Rotary(config.compress_rope, config.rope_dim, config.max_position_embeddings),
+        }
+        self.model = Backbone(config, self.rotaries)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Activation (and state) dtype."""
+        return self.model.embed_tokens.weight.dtype
+
+    def new_state(self) -> SequenceState:
+        return SequenceState.empty(self.config, device=self.device, dtype=self.dtype)
+
+    @torch.no_grad()
+    def forward(
+        self, chunks: Sequence[torch.Tensor], states: Sequence[SequenceState], all_logits: bool = False
+    ) -> torch.Tensor:
+        """Run new tokens of each sequence; advance each state in place.
+
+        chunks[i]: 1-D token ids appended to sequence i (non-empty). Returns the logits of the last
+        token of every chunk [B, vocab], or of every token packed in chunk order [sum(len), vocab].
+        """
+        if len(chunks) != len(states) or not chunks:
+            raise ValueError("need one state per chunk and at least one chunk")
+        batch = self._pack(chunks, states)
+        hidden = self.model(batch)
+        if not all_logits:
+            hidden = hidden[torch.tensor([end - 1 for _, end in batch.spans], device=hidden.device)]
+        for state, (start, end) in zip(states, batch.spans):
+            state.num_tokens += end - start
+        return self.lm_head(hidden)
+
+    def _pack(self, chunks, states) -> ForwardBatch:
+        device, spans, positions, start = self.device, [], [], 0
+        for chunk, state in zip(chunks, states):
+            if chunk.dim() != 1 or chunk.numel() == 0:
+                raise ValueError("each chunk must be a non-empty 1-D tensor of token ids")
+            spans.append((start, start + chunk.numel()))
+            positions.append(torch.arange(state.num_tokens, state.num_tokens + chunk.numel()))
+            start += chunk.numel()
+        input_ids = torch.cat([c.reshape(-1) for c in chunks]).to(device=device, dtype=torch.long)
+        positions = torch.cat(positions).to(device)
+        rope = {name: rotary.cos_sin(positions, self.dtype) for name, rotary in self.rotaries.items()}
+        return ForwardBatch(input_ids, positions, spans, list(states), rope)

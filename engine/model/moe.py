@@ -1,0 +1,103 @@
+"""Mixture of experts: hash-routed or top-k routed experts plus a shared expert, SwiGLU with clamping."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.config import HASH_MOE, ModelConfig
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def score_experts(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class Router(nn.Module):
+    """Expert choice: a frozen token->experts table (hash) or top-k of biased scores."""
+
+    def __init__(self, config: ModelConfig, hashed: bool):
+        super().__init__()
+        self.hashed = hashed
+        self.top_k = config.experts_per_token
+        self.scoring_func = config.scoring_func
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k], expert ids [T, k])."""
+        scores = score_experts(F.linear(x, self.weight), self.scoring_func)
+        if self.hashed:
+            experts = self.tid2eid[input_ids].long()
+        else:
+            experts = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, experts
+
+
+class RoutedExperts(nn.Module):
+    """Expert weights stored stacked, as in the HF checkpoint layout."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        n, hidden, inter = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.n_experts = n
+        self.limit = config.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(n, hidden, inter))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat_experts = experts.flatten()
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.n_experts).tolist()
+        token_of = order // experts.shape[1]
+        slot_weight = weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of[start : start + count]
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[expert])
+            out.index_add_(0, tokens, (y * slot_weight[start : start + count, None]).to(out.dtype))
+            start += count
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.gate = Router(config, hashed=config.mlp_layer_types[layer] == HASH_MOE)
+        self.experts = RoutedExperts(config)
+        self.shared_experts = SharedExpert(config)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x, input_ids)
+        return self.experts(x, weights, experts) + self.shared_experts(x)

@@ -1,0 +1,61 @@
+"""Shared fixtures: seeded random tiny models (vocab 1024, fp32), ours and the transformers reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model import load_model
+from engine.model.random_init import write_random_model_dir
+from tests.engine.references import TEST_VOCAB
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """seed -> a random tiny model directory (cached per session)."""
+    dirs = {}
+
+    def get(seed: int):
+        if seed not in dirs:
+            dirs[seed] = write_random_model_dir(
+                "tiny", tmp_path_factory.mktemp(f"tiny{seed}"), seed=seed, vocab_size=TEST_VOCAB, dtype=torch.float32
+            )
+        return dirs[seed]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir):
+    models = {}
+
+    def get(seed: int):
+        if seed not in models:
+            models[seed] = load_model(tiny_dir(seed), dtype=torch.float32)
+        return models[seed]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_model(tiny_dir):
+    transformers = pytest.importorskip("transformers")
+    models = {}
+
+    def get(seed: int):
+        if seed not in models:
+            model = transformers.DeepseekV4ForCausalLM.from_pretrained(tiny_dir(seed), dtype=torch.float32)
+            models[seed] = model.eval()
+        return models[seed]
+
+    return get
+
+
+@pytest.fixture(scope="session", autouse=True)
+def single_torch_thread():
+    """One intra-op thread: on a small, shared CI machine the tiny model's many small ops run
+    faster and far more predictably than with spinning OpenMP workers."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
