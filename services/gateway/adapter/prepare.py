@@ -1,0 +1,177 @@
+"""Protocol in: request body bytes -> PreparedRequest (prompt ids, sampling, response factory).
+
+`Adapter.prepare` is synchronous and pure (no sockets); its expensive part, prompt encoding, runs in
+deepseek-recipe's Rust code with the GIL released, so the gateway calls it in a thread executor.
+Every failure is a `GatewayError`, rendered by the caller with `error.body(protocol)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+from deepseek_recipe import (
+    ChatCompletionRequest, ConversationRequest, ConversionError, MessagesRequest, ResponsesRequest,
+)
+
+from messages.common import SamplingParams
+from messages.generate import GenerateRequest
+from services.gateway.adapter import request_checks
+from services.gateway.adapter.config import AdapterConfig
+from services.gateway.adapter.errors import (
+    GatewayError, Protocol, from_library_error, internal, invalid_request, request_too_large,
+)
+from services.gateway.adapter.models import ModelRuntime, load_models
+from services.gateway.adapter.parsing import output_parsing_for
+from services.gateway.adapter.response import ResponseAccumulator, ResponseSpec, ResponseStream
+
+_REQUEST_CLASS = {Protocol.CHAT: ChatCompletionRequest, Protocol.RESPONSES: ResponsesRequest,
+                  Protocol.MESSAGES: MessagesRequest}
+_PROMPT_PARAM = {Protocol.CHAT: "messages", Protocol.RESPONSES: "input", Protocol.MESSAGES: "messages"}
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConstraintSpec:
+    kind: str       # "json" | "regex" | "tool_call" | "tool_call_required"
+    schema: str     # for the grammar service; not enforced by the adapter
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    protocol: Protocol
+    model: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stream: bool
+    context_length: int
+    stop_sequences: tuple[str, ...]
+    constraint: OutputConstraintSpec | None
+    response: ResponseSpec
+
+    def open_stream(self, response_id: str | None = None) -> ResponseStream:
+        return ResponseStream(self.response, response_id)
+
+    def open_accumulator(self, response_id: str | None = None) -> ResponseAccumulator:
+        return ResponseAccumulator(self.response, response_id)
+
+    def open_response(self, response_id: str | None = None) -> ResponseStream | ResponseAccumulator:
+        """The stream for a streaming request, the accumulator otherwise."""
+        return self.open_stream(response_id) if self.stream else self.open_accumulator(response_id)
+
+    def generate_request(self, **fields) -> GenerateRequest:
+        """The worker message; pass block_hashes, return_address, traffic_class... as fields."""
+        return GenerateRequest(model=self.model, prompt_ids=self.prompt_ids,
+                               sampling=self.sampling, **fields)
+
+
+class Adapter:
+    """The gateway's pure core: one per process, shared by all requests and threads."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        self.config = config
+        self._models: dict[str, ModelRuntime] = load_models(config)
+        self._served = set(self._models)
+
+    @property
+    def model_names(self) -> list[str]:
+        return [m.name for m in self.config.models]
+
+    def prepare(self, protocol: Protocol, body: bytes) -> PreparedRequest:
+        """Parse, check, convert, render and encode one request. Raises GatewayError."""
+        if len(body) > self.config.max_body_bytes:
+            raise request_too_large(f"request body is {len(body)} bytes; the limit is "
+                                    f"{self.config.max_body_bytes}")
+        try:
+            payload = msgspec.json.decode(body)
+        except msgspec.DecodeError as exc:
+            raise invalid_request(f"invalid JSON body: {exc}", code="invalid_json") from None
+        model = request_checks.requested_model(protocol, payload, self._served)
+        runtime = self._models[model]
+        if request_checks.normalise(protocol, payload):
+            body = msgspec.json.encode(payload)
+        top_k = request_checks.top_k(payload)
+        echo, namespace_tools = None, {}
+        try:
+            library_request = _REQUEST_CLASS[protocol](body)
+            if protocol is Protocol.RESPONSES:
+                echo = library_request.echo()
+                namespace_tools = library_request.namespace_tool_map(runtime.options)
+            converted = library_request.convert(runtime.options)
+        except (ConversionError, ValueError, TypeError) as exc:
+            raise from_library_error(exc) from None
+        return self._finish(protocol, model, runtime, converted, top_k, echo, namespace_tools)
+
+    def prepare_conversation(self, protocol: Protocol, model: str,
+                             request: ConversationRequest) -> PreparedRequest:
+        """Prepare a hand-built ConversationRequest (its parsing options are repaired)."""
+        if model not in self._served:
+            raise request_checks.model_not_found(protocol, model, self._served)
+        return self._finish(protocol, model, self._models[model], request, 0, None, {})
+
+    # -- shared tail -------------------------------------------------------------------------
+
+    def _finish(self, protocol: Protocol, model: str, runtime: ModelRuntime,
+                converted: ConversationRequest, top_k: int, echo, namespace_tools) -> PreparedRequest:
+        conversation = converted.conversation
+        if not conversation.messages:
+            raise invalid_request("the request has no message to answer",
+                                  param=_PROMPT_PARAM[protocol])
+        if not self.config.accept_images and any(m.image_sources for m in conversation.messages):
+            raise invalid_request("image inputs are not supported by this deployment",
+                                  param=_PROMPT_PARAM[protocol], code="unsupported_content")
+        try:
+            prompt_ids = runtime.encoding.encode(conversation)
+        except (RuntimeError, ValueError) as exc:
+            raise internal(f"prompt encoding failed: {exc}") from None
+        context = runtime.served.context_length
+        max_tokens = self._max_tokens(protocol, converted, len(prompt_ids), context)
+        options = converted.inference_options
+        parsing = output_parsing_for(converted)
+        constraint = options.output_constraint
+        sampling = SamplingParams(
+            temperature=_or(options.temperature, 1.0), top_p=_or(options.top_p, 1.0), top_k=top_k,
+            seed=options.seed, max_tokens=max_tokens, stop_token_ids=[runtime.eos_id],
+            logprobs=options.logprobs, top_logprobs=_or(options.top_logprobs, 0))
+        spec = ResponseSpec(
+            protocol=protocol, model=model, request=converted, parsing=parsing,
+            tokenizer=runtime.tokenizer, table=runtime.table, prompt_tokens=len(prompt_ids),
+            stop_token_ids=frozenset([runtime.eos_id]), echo=echo, namespace_tools=namespace_tools)
+        return PreparedRequest(
+            protocol=protocol, model=model, prompt_ids=prompt_ids, sampling=sampling,
+            stream=converted.stream, context_length=context,
+            stop_sequences=parsing.stop_sequences,
+            constraint=OutputConstraintSpec(constraint.kind, constraint.schema) if constraint else None,
+            response=spec)
+
+    @staticmethod
+    def _max_tokens(protocol: Protocol, converted: ConversationRequest, prompt: int,
+                    context: int) -> int:
+        """Resolve max_tokens so that prompt + max_tokens <= context."""
+        requested = converted.inference_options.max_tokens
+        if prompt >= context or (requested is not None and prompt + requested > context):
+            raise context_exceeded(protocol, prompt, requested, context)
+        try:
+            resolved = converted.resolve_max_tokens(prompt, context)
+        except ConversionError:
+            raise context_exceeded(protocol, prompt, requested, context) from None
+        return max(1, min(resolved, context - prompt))
+
+
+def context_exceeded(protocol: Protocol, prompt: int, requested: int | None,
+                     context: int) -> GatewayError:
+    if protocol is Protocol.MESSAGES:
+        if prompt >= context:
+            message = f"prompt is too long: {prompt} tokens > {context - 1} maximum"
+        else:
+            message = (f"max_tokens: {requested} + prompt {prompt} tokens > {context}, the "
+                       f"model's context window; lower max_tokens to at most {context - prompt}")
+        return invalid_request(message, param="max_tokens" if prompt < context else "messages")
+    asked = f" ({prompt} in the messages, {requested} in the completion)" if requested else ""
+    return invalid_request(
+        f"This model's maximum context length is {context} tokens. However, you requested "
+        f"{prompt + (requested or 0)} tokens{asked}. Please reduce the length of the input or "
+        f"the completion.", param=_PROMPT_PARAM[protocol] if prompt >= context else "max_tokens",
+        code="context_length_exceeded")
+
+
+def _or(value, default):
+    return default if value is None else value
