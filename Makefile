@@ -4,7 +4,9 @@ PYTHON ?= python3
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: install up down status test clean
+MODEL   = .epd/models/deepseek-v4-tiny
+
+.PHONY: install model up down status test clean
 
 install: $(STAMP)
 
@@ -16,7 +18,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
-up: install
+# The default model: random weights in the tiny V4 shape, the real V4 tokenizer; made here, never downloaded.
+model: $(MODEL)/config.json
+$(MODEL)/config.json: | $(STAMP)
+	$(VENV)/bin/epd model init --config tiny --seed 0 --out $(MODEL)
+
+up: install model
 	$(VENV)/bin/epd up
 
 down:

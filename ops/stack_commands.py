@@ -50,7 +50,7 @@ def cmd_up(args) -> int:
     from ops.launcher import Supervisor
     from ops.topology import load_topology
     try:
-        topology = load_topology(args.topology, port_base=args.port_base)
+        topology = load_topology(args.topology, port_base=args.port_base, http_port=args.http_port)
     except (ValueError, OSError) as exc:
         print(f"epd up: {exc}", file=sys.stderr)
         return 2
@@ -77,7 +77,12 @@ def _print_ready(supervisor) -> None:
               f"http://{child.config.metrics_bind}/metrics")
     gateways = [c for c in supervisor.children if c.config.kind == "gateway"]
     if gateways:
-        print(f"API: http://{gateways[0].config.settings.get('http_bind', '127.0.0.1:8000')}")
+        settings = gateways[0].config.settings
+        api = f"http://{settings.get('http_bind', '127.0.0.1:8000')}"
+        print(f"API: {api}/v1  (OpenAI Chat Completions, Responses; Anthropic Messages)")
+        print(f"  curl {api}/v1/chat/completions -H 'Content-Type: application/json' -d "
+              f"'{{\"model\": \"{settings.get('served_model', 'deepseek-v4-tiny')}\", "
+              f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
     else:
         print("API: none yet (this topology has no gateway service)")
     print(f"logs: {supervisor.run_dir}/logs   status: epd status   stop: Ctrl-C or epd down", flush=True)
@@ -90,6 +95,8 @@ def _up_detached(args, run_dir: Path) -> int:
         argv += ["--topology", args.topology]
     if args.port_base is not None:
         argv += ["--port-base", str(args.port_base)]
+    if args.http_port is not None:
+        argv += ["--http-port", str(args.http_port)]
     with open(run_dir / "supervisor.out", "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -203,6 +210,7 @@ def register(subparsers) -> None:
     up = subparsers.add_parser("up", help="start the stack's services locally and supervise them")
     up.add_argument("--topology", help="topology file, or the name of an embedded one (default: default)")
     up.add_argument("--port-base", type=int, help="override the topology's first port")
+    up.add_argument("--http-port", type=int, help="override the port of the HTTP API (the gateway's)")
     up.add_argument("--run-dir", help="where logs and state go (default .epd/runs/<time>)")
     up.add_argument("--detach", action="store_true", help="return once ready; stop later with `epd down`")
     up.add_argument("--wait-s", type=float, default=120.0, help="with --detach: how long to wait for ready")

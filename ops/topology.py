@@ -85,7 +85,7 @@ class Topology:
 
 
 def load_topology(name_or_path: str | None = None, *, port_base: int | None = None,
-                  host: str | None = None) -> Topology:
+                  host: str | None = None, http_port: int | None = None) -> Topology:
     """A topology from a file path, or by name from the embedded ones ("default", ...)."""
     name_or_path = name_or_path or "default"
     path = Path(name_or_path)
@@ -96,7 +96,14 @@ def load_topology(name_or_path: str | None = None, *, port_base: int | None = No
         if not embedded.is_file():
             raise ValueError(f"no topology file or embedded topology named {name_or_path!r}")
         text, source = embedded.read_text(), f"embedded:{name_or_path}"
-    return parse_topology(tomllib.loads(text), source=source, port_base=port_base, host=host)
+    topology = parse_topology(tomllib.loads(text), source=source, port_base=port_base, host=host)
+    if http_port is not None:   # move every HTTP front (the gateway's API) to this port
+        for spec in topology.services:
+            settings = spec.options.get("settings", {})
+            if "http_bind" in settings:
+                bind_host = settings["http_bind"].rpartition(":")[0] or topology.host
+                spec.options["settings"] = {**settings, "http_bind": f"{bind_host}:{http_port}"}
+    return topology
 
 
 def parse_topology(data: dict, *, source: str = "", port_base: int | None = None,

@@ -12,6 +12,8 @@ from services.runtime.service import Service
 KINDS: dict[str, str] = {
     "echo": "services.runtime.service:Service",
     "swa_registry": "services.swa_registry.service:SwaRegistryService",
+    "gateway": "services.gateway.service:GatewayService",
+    "unified_worker": "services.workers.unified:UnifiedWorker",
 }
 
 

@@ -82,6 +82,9 @@ class Service:
     def load(self) -> Load:
         return Load(queue_depth=self._queue.qsize() if self._queue else 0, in_flight=self.in_flight())
 
+    def on_upstream_lost(self) -> None:
+        """Our upstream stopped answering (we reconnect with back-off); a subclass fails what it awaits."""
+
     def on_peer_dead(self, peer: Peer) -> None:
         """A registered peer stopped heartbeating: fail the work it held with PEER_DEAD."""
         for request_id, caller in self.dispatched.take_held_by(peer.instance):

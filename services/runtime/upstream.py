@@ -35,7 +35,9 @@ class UpstreamLink:
             except WireError as exc:
                 svc.log.warning("upstream.unreachable", upstream=self.address, error=exc.message,
                                 retry_in_s=backoff)
-            self.connected = False
+            if self.connected:
+                self.connected = False
+                svc.on_upstream_lost()
             svc.drop_link(self.address)    # LINGER 0: a fresh socket, nothing stale queued
             self.reconnects += 1
             await asyncio.sleep(backoff)

@@ -1,0 +1,222 @@
+"""The gateway's HTTP API (aiohttp): OpenAI Chat Completions and Responses, Anthropic Messages,
+/v1/models, /health, /metrics. Streaming answers are SSE; every error is in the protocol's shape.
+
+A request: authenticate -> admit (bounded) -> prepare in a thread (convert, render, encode) ->
+GenerateRequest to the upstream -> chunks through the adapter's stream/accumulator -> the client.
+A client that disconnects cancels its handler, which sends AbortRequest to the upstream.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import re
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from messages import ErrorReply, WireError
+from messages.common import FinishReason
+from messages.control import ServiceState
+from messages.generate import AbortRequest, GenerateChunk
+from services.gateway.adapter import GatewayError, Protocol
+from services.runtime.tracing import span_from
+
+if TYPE_CHECKING:
+    from services.gateway.service import GatewayService
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_UPSTREAM_STATUS = {"INVALID_REQUEST": 400, "OVERLOADED": 429, "DRAINING": 503, "PEER_DEAD": 502, "TIMEOUT": 504}
+
+
+def too_busy(protocol: Protocol, why: str) -> GatewayError:
+    """Overload: 429 for the OpenAI APIs, 529 (overloaded_error) for Anthropic."""
+    if protocol.is_openai:
+        return GatewayError(429, "rate_limit_error", why, code="overloaded")
+    return GatewayError(529, "overloaded_error", why)
+
+
+def _error_response(protocol: Protocol, error: GatewayError) -> web.Response:
+    return web.Response(status=error.status_for(protocol), body=error.body(protocol),
+                        content_type="application/json")
+
+
+def _from_upstream(reply: ErrorReply) -> GatewayError:
+    from messages.errors import ErrorCode
+    name = ErrorCode(reply.code).name if reply.code in ErrorCode._value2member_map_ else "INTERNAL"
+    status = _UPSTREAM_STATUS.get(name, 500)
+    kind = {400: "invalid_request_error", 429: "overloaded_error", 503: "overloaded_error"}.get(status, "api_error")
+    return GatewayError(status, kind, f"upstream: {reply.message}", code=name.lower())
+
+
+class GatewayHttp:
+    def __init__(self, service: "GatewayService"):
+        self.svc = service
+        self.active = 0
+
+    # ---- plumbing ----------------------------------------------------------------------
+    def authorised(self, request: web.Request) -> bool:
+        keys = self.svc.settings.api_keys
+        if not keys:
+            return True
+        given = request.headers.get("x-api-key") or ""
+        auth = request.headers.get("Authorization", "")
+        if auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        return any(hmac.compare_digest(given.encode(), k.encode()) for k in keys)
+
+    async def generate(self, request: web.Request, protocol: Protocol) -> web.StreamResponse:
+        svc = self.svc
+        if not self.authorised(request):
+            return _error_response(protocol, GatewayError(401, "authentication_error", "invalid or missing API key"))
+        if svc.state != ServiceState.RUNNING:
+            return _error_response(protocol, GatewayError(503, "overloaded_error", "the gateway is shutting down"))
+        if self.active >= svc.settings.max_concurrent_requests:
+            svc.metrics.error("HTTP_OVERLOADED")
+            return _error_response(protocol, too_busy(protocol, "too many requests in flight; retry later"))
+        self.active += 1
+        try:
+            return await self._generate(request, protocol)
+        finally:
+            self.active -= 1
+
+    async def _generate(self, request: web.Request, protocol: Protocol) -> web.StreamResponse:
+        svc, started = self.svc, time.time()
+        given_id = request.headers.get("x-request-id", "")
+        request_id = given_id if _REQUEST_ID.match(given_id) else f"req-{uuid.uuid4().hex}"
+        span = span_from(request.headers.get("traceparent", ""))
+        log = svc.log.bind(request_id=request_id, trace_id=span.trace_id, span_id=span.span_id)
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error_response(protocol, GatewayError(413, "request_too_large", "request body too large"))
+        loop = asyncio.get_running_loop()
+        try:
+            prepared = await loop.run_in_executor(svc.pool, svc.adapter.prepare, protocol, body)
+        except GatewayError as exc:
+            log.info("request.rejected", status=exc.status_for(protocol), error=exc.message)
+            return _error_response(protocol, exc)
+        prepared_at = time.time()
+        queue: asyncio.Queue = asyncio.Queue()
+        svc.pending[request_id] = queue
+        response = prepared.open_response()
+        outcome, http = "ok", None
+        try:
+            svc.send(svc.config.upstream, prepared.generate_request(
+                return_address=svc.config.advertise, arrival_time=started), request_id=request_id, span=span)
+            first = await self._next(queue, svc.settings.first_chunk_timeout_s)
+            if isinstance(first, GatewayError):
+                outcome = first.code or "error"
+                return _error_response(protocol, first)
+            if prepared.stream:
+                http = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache", "x-request-id": request_id})
+                await http.prepare(request)
+            item, first_token_at = first, time.time()
+            while True:
+                if isinstance(item, GatewayError):   # failed mid-way: end in the protocol's shape
+                    item = GenerateChunk([], int(FinishReason.ERROR))
+                frames = response.push(item.token_ids, item.finish_reason or None, item.usage,
+                                       list(item.logprobs) if item.logprobs else None)
+                if http is not None:
+                    for frame in frames:
+                        await http.write(frame)
+                if response.finished:
+                    if not item.finish_reason:   # EOS / stop sequence seen here: stop the worker
+                        self._abort(request_id, span, "stopped_by_gateway")
+                    break
+                item = await self._next(queue, svc.settings.chunk_timeout_s)
+            if http is not None:
+                await http.write_eof()
+                return http
+            try:
+                body_out = response.body()
+            except GatewayError as exc:
+                outcome = exc.code or "error"
+                return _error_response(protocol, exc)
+            return web.Response(body=body_out, content_type="application/json",
+                                headers={"x-request-id": request_id})
+        except WireError as exc:   # the upstream could not take it (full queue, gone)
+            outcome = exc.code.name.lower()
+            return _error_response(protocol, too_busy(protocol, f"upstream unavailable: {exc.message}"))
+        except (asyncio.CancelledError, ConnectionResetError):
+            outcome = "client_disconnected"
+            self._abort(request_id, span, "client_disconnected")
+            raise
+        finally:
+            svc.pending.pop(request_id, None)
+            usage = response.usage
+            log.info("request.summary", type=protocol.value, sender="http", start=started,
+                     handle_ms=round((time.time() - started) * 1e3, 3),
+                     phases={"prepare_ms": round((prepared_at - started) * 1e3, 3)},
+                     prompt_tokens=usage.prompt, cached_tokens=usage.cached,
+                     completion_tokens=usage.completion, stream=prepared.stream, outcome=outcome)
+
+    async def _next(self, queue: asyncio.Queue, timeout_s: float):
+        """The next chunk, or a GatewayError for an upstream error / silence."""
+        try:
+            item = await asyncio.wait_for(queue.get(), timeout_s)
+        except asyncio.TimeoutError:
+            return GatewayError(504, "api_error", f"no tokens from the worker for {timeout_s:.0f}s", code="timeout")
+        if isinstance(item, ErrorReply):
+            return _from_upstream(item)
+        if item.finish_reason == FinishReason.ERROR and item.error and not item.token_ids:
+            return GatewayError(502, "api_error", item.error, code="upstream_error")
+        return item
+
+    def _abort(self, request_id: str, span, reason: str) -> None:
+        try:
+            self.svc.send(self.svc.config.upstream, AbortRequest(reason), request_id=request_id, span=span)
+        except WireError as exc:
+            self.svc.log.warning("abort.undeliverable", request_id=request_id, code=exc.code.name)
+
+    # ---- routes ------------------------------------------------------------------------
+    async def chat(self, request):
+        return await self.generate(request, Protocol.CHAT)
+
+    async def responses(self, request):
+        return await self.generate(request, Protocol.RESPONSES)
+
+    async def messages(self, request):
+        return await self.generate(request, Protocol.MESSAGES)
+
+    async def models(self, request):
+        if not self.authorised(request):
+            return _error_response(Protocol.CHAT, GatewayError(401, "authentication_error", "invalid or missing API key"))
+        created = int(self.svc.started_at)
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "epd",
+                 "type": "model", "display_name": name,
+                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
+                for name in self.svc.adapter.model_names]
+        return web.json_response({"object": "list", "data": data, "has_more": False,
+                                  "first_id": data[0]["id"] if data else None,
+                                  "last_id": data[-1]["id"] if data else None})
+
+    async def health(self, request):
+        svc = self.svc
+        ok = svc.state == ServiceState.RUNNING and bool(svc.upstream and svc.upstream.connected)
+        return web.json_response({"status": "ok" if ok else "unavailable",
+                                  "state": ServiceState(svc.state).name.lower(),
+                                  "upstream_connected": bool(svc.upstream and svc.upstream.connected),
+                                  "in_flight": len(svc.pending)}, status=200 if ok else 503)
+
+    async def metrics(self, request):
+        return web.Response(body=self.svc.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def start_http(service: "GatewayService") -> web.AppRunner:
+    api = GatewayHttp(service)
+    app = web.Application(client_max_size=service.settings.max_body_bytes)
+    app.router.add_post("/v1/chat/completions", api.chat)
+    app.router.add_post("/v1/responses", api.responses)
+    app.router.add_post("/v1/messages", api.messages)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/metrics", api.metrics)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    host, _, port = service.settings.http_bind.rpartition(":")
+    await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+    return runner

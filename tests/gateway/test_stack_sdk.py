@@ -1,0 +1,202 @@
+"""The stack served end to end (gateway + unified worker, real processes) driven by the official
+`openai` and `anthropic` SDKs. The model has random weights, so these assert structure, usage
+arithmetic and determinism rather than content."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import anthropic
+import http.client
+from urllib.parse import urlparse
+import openai
+import pytest
+
+from ops.control_client import query_status
+from tests.helpers.test_helper_processes import REPO, wait_until
+from tests.ops.test_stack_commands import free_port_base, pid_alive
+
+MODEL = "deepseek-v4-tiny"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stack")
+    env = {**os.environ, "EPD_RUN_ROOT": str(root / "runs"), "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-m", "ops.cli", "model", "init", "--config", "tiny", "--seed", "0",
+                    "--out", str(root / ".epd/models/deepseek-v4-tiny")], env=env, check=True,
+                   capture_output=True)
+    base = free_port_base(3)
+    http_port = free_port_base(1, offset=0)
+    up = subprocess.run([sys.executable, "-m", "ops.cli", "up", "--detach", "--topology", "unified",
+                         "--port-base", str(base), "--http-port", str(http_port)],
+                        cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    state = json.loads((root / "runs/current/state.json").read_text())
+    yield {"url": f"http://127.0.0.1:{http_port}", "state": state, "root": root, "env": env}
+    subprocess.run([sys.executable, "-m", "ops.cli", "down"], cwd=root, env=env, capture_output=True, timeout=120)
+    for pid in [state["supervisor_pid"], *(s["pid"] for s in state["services"])]:
+        assert not pid_alive(pid), "epd down left a process behind"
+
+
+@pytest.fixture
+def oai(stack):
+    return openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def claude(stack):
+    return anthropic.Anthropic(base_url=stack["url"], api_key="unused", max_retries=0, timeout=120)
+
+
+def worker_status(stack):
+    worker = next(s for s in stack["state"]["services"] if s["kind"] == "unified_worker")
+    return query_status(worker["address"], 2.0)
+
+
+GREEDY = {"temperature": 0}   # this anthropic SDK version has no `temperature` argument
+NO_THINKING = {"thinking": {"type": "disabled"}}   # answers in `content`, so texts can be compared
+
+
+def chat(oai, content="Say something.", **kw):
+    return oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                       temperature=0, extra_body=NO_THINKING, **kw)
+
+
+def test_models_lists_the_served_model(oai, claude):
+    assert [m.id for m in oai.models.list()] == [MODEL]
+    assert [m.id for m in claude.models.list()] == [MODEL]
+
+
+def test_chat_non_streaming_structure_usage_and_determinism(oai):
+    first = chat(oai, max_tokens=12)
+    again = chat(oai, max_tokens=12)
+    choice = first.choices[0]
+    assert first.object == "chat.completion" and first.model == MODEL
+    assert choice.finish_reason in ("stop", "length")
+    assert first.usage.prompt_tokens > 0 and first.usage.completion_tokens > 0
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+    assert choice.message.content and choice.message.content == again.choices[0].message.content
+    assert first.usage == again.usage
+
+
+def test_chat_streaming_equals_non_streaming(oai):
+    whole = chat(oai, "Count with me.", max_tokens=10)
+    chunks = list(chat(oai, "Count with me.", max_tokens=10, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    streamed = "".join((c.choices[0].delta.content or "") for c in chunks if c.choices)
+    assert streamed == (whole.choices[0].message.content or "")
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    usage = [c.usage for c in chunks if c.usage]
+    assert usage and usage[-1].completion_tokens == whole.usage.completion_tokens
+
+
+def test_max_tokens_ends_with_length(oai):
+    out = chat(oai, "Tell me a long story.", max_tokens=5)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 5
+
+
+def test_stop_sequence_cuts_the_greedy_text(oai):
+    full = chat(oai, "Write words.", max_tokens=40).choices[0].message.content or ""
+    if len(full) < 8:
+        pytest.fail(f"greedy text too short to pick a stop sequence from: {full!r}")
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    cut = chat(oai, "Write words.", max_tokens=40, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == full[: full.index(stop)]
+
+
+def test_tools_with_tool_choice_and_a_multi_turn_tool_conversation(oai):
+    forced = oai.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=24, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, extra_body=NO_THINKING,
+        messages=[{"role": "user", "content": "Weather in Paris?"}])
+    assert forced.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    for call in forced.choices[0].message.tool_calls or []:
+        assert call.function.name == "get_weather"
+        json.loads(call.function.arguments)
+    follow_up = oai.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=8, tools=TOOLS, extra_body=NO_THINKING, messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp_c\": 21}"},
+            {"role": "user", "content": "And tomorrow?"}])
+    assert follow_up.usage.prompt_tokens > forced.usage.prompt_tokens
+    assert follow_up.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_responses_api_streaming_and_not(oai):
+    whole = oai.responses.create(model=MODEL, input="Hello there", max_output_tokens=8, temperature=0,
+                                 reasoning={"effort": "none"})
+    assert whole.object == "response" and whole.status in ("completed", "incomplete")
+    assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
+    events = list(oai.responses.create(model=MODEL, input="Hello there", max_output_tokens=8,
+                                       temperature=0, reasoning={"effort": "none"}, stream=True))
+    types = [e.type for e in events]
+    assert types[0] == "response.created" and types[-1] in ("response.completed", "response.incomplete")
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed and streamed == whole.output_text
+
+
+def test_anthropic_messages_streaming_and_not(claude):
+    whole = claude.messages.create(model=MODEL, max_tokens=8, extra_body={**GREEDY, **NO_THINKING},
+                                   messages=[{"role": "user", "content": "Hi"}])
+    assert whole.type == "message" and whole.role == "assistant"
+    assert whole.stop_reason in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
+    assert whole.usage.input_tokens > 0 and whole.usage.output_tokens > 0
+    with claude.messages.stream(model=MODEL, max_tokens=8, extra_body={**GREEDY, **NO_THINKING},
+                                messages=[{"role": "user", "content": "Hi"}]) as stream:
+        final = stream.get_final_message()
+    assert whole.content and whole.content[0].type == "text" and whole.content[0].text
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_anthropic_tools_and_tool_results(claude):
+    tools = [{"name": "get_weather", "description": "Weather for a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    out = claude.messages.create(model=MODEL, max_tokens=8, tools=tools,
+                                 extra_body={**GREEDY, "thinking": {"type": "disabled"}},
+                                 tool_choice={"type": "tool", "name": "get_weather"}, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "tu_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_1", "content": "21C"}]}])
+    assert out.type == "message" and out.usage.input_tokens > 0
+
+
+def test_errors_come_in_each_protocols_shape(oai, claude):
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.NotFoundError) as err:
+        claude.messages.create(model="no-such-model", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    assert err.value.body["type"] == "error"
+    with pytest.raises(openai.BadRequestError):
+        chat(oai, "x" * 10, max_tokens=10**7)
+
+
+def test_client_disconnect_mid_stream_frees_the_request_in_the_worker(stack):
+    body = {"model": MODEL, "stream": True, "max_tokens": 4000, "temperature": 0,
+            "messages": [{"role": "user", "content": "Go on forever."}]}
+    url = urlparse(stack["url"])
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    got = [response.readline() for _ in range(6)]
+    assert any(line.startswith(b"data: ") for line in got)
+    wait_until(lambda: worker_status(stack).load.in_flight >= 1, 10, "the worker to hold the stream")
+    conn.sock.close()   # the client goes away mid-stream
+    conn.close()
+    wait_until(lambda: worker_status(stack).load.in_flight == 0, 20, "the worker to free the aborted request")
+    assert worker_status(stack).load.batch_size == 0
