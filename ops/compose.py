@@ -30,8 +30,8 @@ STOP_MARGIN_S = 5.0          # Docker's wait after SIGTERM = the service's drain
 HEALTH_INTERVAL_S = 5
 HEALTH_TIMEOUT_S = 5
 HEALTH_RETRIES = 3
-# kind -> (settings key holding its HTTP port, default): the only ports published on the host
-PUBLISHED_HTTP = {"gateway": ("http_port", 8000)}
+# kind -> (settings key holding its HTTP "host:port", default): the only ports published on the host
+PUBLISHED_HTTP = {"gateway": ("http_bind", "127.0.0.1:8000")}
 _ADDRESS_FIELDS = ("bind", "advertise", "upstream", "metrics_bind")
 
 HEADER = """\
@@ -88,16 +88,19 @@ def _first_replicas(topology: Topology) -> dict[str, ServiceConfig]:
 def _service(topology: Topology, spec: ServiceSpec, first: dict[str, ServiceConfig]) -> dict[str, Any]:
     config = first[spec.name]
     port = _port(config.bind)
+    published = PUBLISHED_HTTP.get(spec.kind)
+    http_port = None
+    if published:   # inside the container the HTTP front listens on every interface
+        key, default = published
+        http_port = _port(config.settings.get(key, default))
+        config = dataclasses.replace(config, settings={**config.settings, key: f"0.0.0.0:{http_port}"})
     service: dict[str, Any] = {
         "build": dict(BUILD),
         "image": IMAGE,
         "command": _Flow(["serve", spec.kind]),
         "environment": _environment(spec, config, first),
     }
-    published = PUBLISHED_HTTP.get(spec.kind)
-    if published:
-        key, default = published
-        http_port = int(config.settings.get(key, default))
+    if http_port is not None:
         service["ports"] = [f"127.0.0.1:{http_port}:{http_port}"]
     if spec.replicas > 1:
         service["scale"] = spec.replicas

@@ -3,6 +3,8 @@ topology, each topology service becomes one Compose service configured only by E
 rebuild the local launcher's config, and Debian's docker-compose v1 accepts the file."""
 from __future__ import annotations
 
+import json
+
 import argparse
 import dataclasses
 import shutil
@@ -28,7 +30,7 @@ RICH = {
         {"name": "registry", "kind": "swa_registry", "settings": {"default_ttl_s": 90.0, "note": "a$b"}},
         {"name": "workers", "kind": "echo", "replicas": 3, "upstream": "registry", "queue_size": 16,
          "grace_s": 30.0, "log_level": "debug"},
-        {"name": "front", "kind": "gateway", "upstream": "workers", "settings": {"http_port": 8080}},
+        {"name": "front", "kind": "gateway", "upstream": "workers", "settings": {"http_bind": "127.0.0.1:8080"}},
     ],
 }
 
@@ -113,8 +115,13 @@ def test_environment_rebuilds_the_config_the_local_launcher_builds(topology):
         rebuilt, local = ServiceConfig.from_env(env), launched[spec.name]
         addresses = {"instance", "bind", "advertise", "upstream", "metrics_bind"}
         for f in dataclasses.fields(ServiceConfig):
-            if f.name not in addresses:
+            if f.name not in addresses | {"settings"}:
                 assert getattr(rebuilt, f.name) == getattr(local, f.name), f"{spec.name}.{f.name}"
+        http_key = compose.PUBLISHED_HTTP.get(spec.kind, ("",))[0]
+        local_settings = {k: v for k, v in local.settings.items() if k != http_key}
+        assert {k: v for k, v in rebuilt.settings.items() if k != http_key} == local_settings
+        if http_key in local.settings:   # the HTTP front binds every interface in its container
+            assert rebuilt.settings[http_key] == f"0.0.0.0:{port(local.settings[http_key])}"
         assert env["EPD_ADVERTISE"] == f"tcp://{{hostname}}:{port(local.bind)}"
         assert rebuilt.bind == f"tcp://0.0.0.0:{port(local.bind)}"
         assert rebuilt.advertise == f"tcp://{socket.gethostname()}:{port(local.bind)}"
@@ -155,6 +162,8 @@ def test_stop_waits_for_the_drain_and_restarts_unless_stopped():
 def test_only_the_gateway_publishes_a_host_port_and_scaled_services_publish_none():
     services = yaml.safe_load(compose.render(rich_topology()))["services"]
     assert services["front"]["ports"] == ["127.0.0.1:8080:8080"]
+    settings = json.loads(services["front"]["environment"]["EPD_SETTINGS"])
+    assert settings["http_bind"] == "0.0.0.0:8080"   # reachable through the published port
     assert "ports" not in services["registry"] and "ports" not in services["workers"]
     assert services["workers"]["scale"] == 3 and "scale" not in services["registry"]
     default = parse_topology({"service": [{"name": "gw", "kind": "gateway"}]})

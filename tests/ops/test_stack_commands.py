@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import link_model
 from tests.helpers.test_helper_processes import REPO, wait_until
 
 RELAY = "tests.helpers.test_helper_relay:TestHelperRelay"
@@ -91,9 +92,11 @@ heartbeat_s = 0.5
     return path
 
 
-def test_default_stack_up_status_down_leaves_no_process(epd):
-    up = epd("up", "--detach", "--port-base", str(free_port_base(8)))
-    assert "stack ready" in up.stdout
+def test_default_stack_up_status_down_leaves_no_process(epd, tiny_model_dir):
+    link_model(epd.cwd, tiny_model_dir)
+    up = epd("up", "--detach", "--port-base", str(free_port_base(8)),
+             "--http-port", str(free_port_base(1, offset=0)))
+    assert "stack ready" in up.stdout and "curl http://127.0.0.1:" in up.stdout
     status = json.loads(epd("status", "--json").stdout)
     assert status["supervisor"] == "ready" and status["services"]
     assert all(s["state"] == "running" for s in status["services"])

@@ -1,0 +1,25 @@
+"""Fixtures shared across the test tree."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+MODEL_NAME = "deepseek-v4-tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The default stack's model (tiny V4 shape, real vocabulary, seed 0), written once per session."""
+    from engine.model.random_init import write_random_model_dir
+    out = tmp_path_factory.mktemp("models") / MODEL_NAME
+    write_random_model_dir("tiny", out, seed=0)
+    return out
+
+
+def link_model(cwd: Path, model_dir: Path) -> None:
+    """Make `cwd/.epd/models/<name>` (the topologies' relative model path) point at model_dir."""
+    target = cwd / ".epd" / "models" / model_dir.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists():
+        target.symlink_to(model_dir)
