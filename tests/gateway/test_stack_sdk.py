@@ -3,46 +3,21 @@
 arithmetic and determinism rather than content."""
 from __future__ import annotations
 
+import http.client
 import json
-import os
-import subprocess
-import sys
-import time
+from urllib.parse import urlparse
 
 import anthropic
-import http.client
-from urllib.parse import urlparse
 import openai
 import pytest
 
 from ops.control_client import query_status
-from tests.helpers.test_helper_processes import REPO, wait_until
-from tests.ops.test_stack_commands import free_port_base, pid_alive
+from tests.helpers.test_helper_processes import wait_until
 
 MODEL = "deepseek-v4-tiny"
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    root = tmp_path_factory.mktemp("stack")
-    env = {**os.environ, "EPD_RUN_ROOT": str(root / "runs"), "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, "-m", "ops.cli", "model", "init", "--config", "tiny", "--seed", "0",
-                    "--out", str(root / ".epd/models/deepseek-v4-tiny")], env=env, check=True,
-                   capture_output=True)
-    base = free_port_base(3)
-    http_port = free_port_base(1, offset=0)
-    up = subprocess.run([sys.executable, "-m", "ops.cli", "up", "--detach", "--topology", "unified",
-                         "--port-base", str(base), "--http-port", str(http_port)],
-                        cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stdout + up.stderr
-    state = json.loads((root / "runs/current/state.json").read_text())
-    yield {"url": f"http://127.0.0.1:{http_port}", "state": state, "root": root, "env": env}
-    subprocess.run([sys.executable, "-m", "ops.cli", "down"], cwd=root, env=env, capture_output=True, timeout=120)
-    for pid in [state["supervisor_pid"], *(s["pid"] for s in state["services"])]:
-        assert not pid_alive(pid), "epd down left a process behind"
 
 
 @pytest.fixture
