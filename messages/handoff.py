@@ -1,21 +1,43 @@
 """Worker <-> worker: moving a request's state (block pages, SWA window, compressor tails).
 
 Tensors travel as buffer frames; fields hold frame indices into the envelope's buffers.
+`KVSnapshot` describes a state cut by the engine (`EngineCore.snapshot`): which model and layout
+made it, how many tokens it covers, the hash chain of its full blocks, and the role of each
+buffer. The receiver checks all of it before restoring (`EngineCore.restore`).
 """
 from __future__ import annotations
 
+from enum import IntEnum
+
+import msgspec
+
 from messages.generate import GenerateRequest
 from messages.registry import Message, register
+
+KV_LAYOUT_VERSION = 1
+
+
+class BufferRole(IntEnum):
+    PAGES = 0     # [num_pages, page_numel]: block KV of every page the state touches, in order (last may be partial)
+    SWA = 1       # [num_layers, min(num_tokens, window), head_dim]: sliding-window KV, oldest first
+    TAILS = 2     # flat compressor tails (pending tokens + CSA overlaps; engine.kv.tails layout)
+
+
+class KVSnapshot(msgspec.Struct, array_like=True, gc=False):
+    model_id: str = ""               # engine model identity (also keys the hash chain)
+    layout_version: int = KV_LAYOUT_VERSION
+    block_size: int = 128
+    num_tokens: int = 0              # tokens whose state the buffers hold
+    block_hashes: list[bytes] = []   # chain hash of each full block of those tokens
+    roles: list[int] = []            # BufferRole of each buffer, in buffer order
+    num_cached_tokens: int = 0       # prompt tokens the sender took from its prefix cache (usage)
 
 
 @register(0x0401)
 class StateHandoff(Message):
     request: GenerateRequest
-    num_tokens: int                  # tokens covered by the state
-    layout: str                      # engine state layout identity (model + format version)
-    page_frames: list[int] = []      # block-KV pages
-    swa_frames: list[int] = []       # sliding-window KV per layer
-    tail_frames: list[int] = []      # compressor overlap / pending state
+    snapshot: KVSnapshot
+    buffer_frames: list[int] = []    # frame index of each snapshot buffer (roles in snapshot.roles)
     generated_ids: list[int] = []    # tokens already produced (migration)
 
 

@@ -14,7 +14,7 @@ from engine.model.compressor import Indexer, WindowPooler
 from engine.model.config import CSA, HCA, SLIDING, ModelConfig
 from engine.model.norms import RMSNorm, unweighted_rms_norm
 from engine.model.rope import Rotary, apply_rope
-from engine.model.state import LayerState
+from engine.model.state import SequenceKV
 
 QUERY_BLOCK = 256  # queries per attention block: bounds the score tensor for long prefills
 
@@ -76,27 +76,48 @@ class Attention(nn.Module):
             packed["iq"] = indexer.queries(q_residual, cos, sin)
             packed["iw"] = indexer.scorer.head_weights(x)
         out = torch.empty_like(q)
-        for (start, end), state in zip(batch.spans, batch.states):
+        for i, ((start, end), state) in enumerate(zip(batch.spans, batch.states)):
             span = {name: t[start:end] for name, t in packed.items()}
-            layer_state = state.layers[self.layer]
-            out[start:end] = self._attend_sequence(q[start:end], kv[start:end], span, layer_state, state.num_tokens)
+            captures = batch.captures[i] if batch.captures else ()
+            out[start:end] = self._attend_sequence(q[start:end], kv[start:end], span, state, captures)
         out = apply_rope(out, cos, -sin)
         return self.o_b_proj(self.o_a_proj(out.reshape(out.shape[0], self.o_groups, -1)))
 
-    def _attend_sequence(self, q, kv, span: dict, state: LayerState, first_pos: int) -> torch.Tensor:
-        """One sequence's new tokens (positions first_pos...) against its state; updates the state."""
-        window_start = first_pos - state.window.shape[0]
-        keys = torch.cat([state.window, kv])
-        state.window = keys[-self.window :].clone()
-        entries = None
+    def _attend_sequence(self, q, kv, span: dict, state: SequenceKV, captures=()) -> torch.Tensor:
+        """One sequence's new tokens (positions state.num_tokens...); updates the state.
+
+        The tokens run in pieces cut at the capture positions (attention is causal, so pieces in
+        order give the same result as one), and the state captures itself at each cut.
+        """
+        first_pos, out, lo = state.num_tokens, torch.empty_like(q), 0
+        for cut in (*(c - first_pos for c in captures), None):
+            stop = q.shape[0] if cut is None else cut
+            if stop > lo:
+                rows = slice(lo, stop)
+                piece = {name: t[rows] for name, t in span.items()}
+                out[rows] = self._attend_piece(q[rows], kv[rows], piece, state, first_pos + lo)
+                lo = stop
+            if cut is not None:
+                state.capture(self.layer, first_pos + cut)
+        return out
+
+    def _attend_piece(self, q, kv, span: dict, state: SequenceKV, first_pos: int) -> torch.Tensor:
+        """Tokens at positions first_pos... against the state; appends their KV and entries to it."""
+        prior = state.window(self.layer, first_pos)
+        window_start = first_pos - prior.shape[0]
+        keys = torch.cat([prior, kv])
+        state.append_window(self.layer, kv, first_pos)
+        entries = index_keys = None
         if self.compressor is not None:
-            first_entry = state.entries.shape[0]
-            new = self.compressor.pool(span["kv"], span["gate"], state.tail, first_entry)
-            state.entries = entries = torch.cat([state.entries, new])
+            done, total = first_pos // self.ratio, (first_pos + q.shape[0]) // self.ratio
+            new = self.compressor.pool(span["kv"], span["gate"], state.tail(self.layer), done)
+            state.write_entries(self.layer, done, new)
+            entries = state.entries(self.layer, total)
         if self.layer_type == CSA:
             indexer = self.compressor.indexer
-            new = indexer.pool(span["ikv"], span["igate"], state.index_tail, state.index_keys.shape[0])
-            state.index_keys = torch.cat([state.index_keys, new])
+            new = indexer.pool(span["ikv"], span["igate"], state.index_tail(self.layer), done)
+            state.write_index_keys(self.layer, done, new)
+            index_keys = state.index_keys(self.layer, total)
         out = torch.empty_like(q)
         for lo in range(0, q.shape[0], QUERY_BLOCK):
             rows = slice(lo, min(lo + QUERY_BLOCK, q.shape[0]))
@@ -108,7 +129,7 @@ class Attention(nn.Module):
             if entries is not None:
                 n_visible = (last + 1) // self.ratio
                 block_keys = torch.cat([block_keys, entries[:n_visible]])
-                mask = torch.cat([mask, self._entry_mask(positions, n_visible, span, state, rows)], dim=1)
+                mask = torch.cat([mask, self._entry_mask(positions, n_visible, span, index_keys, rows)], dim=1)
             out[rows] = self._softmax_attend(q[rows], block_keys, mask)
         return out
 
@@ -118,11 +139,11 @@ class Attention(nn.Module):
         distance = positions[:, None] - key_positions[None, :]
         return (distance >= 0) & (distance < self.window)
 
-    def _entry_mask(self, positions, n_visible: int, span: dict, state: LayerState, rows: slice) -> torch.Tensor:
+    def _entry_mask(self, positions, n_visible: int, span: dict, index_keys, rows: slice) -> torch.Tensor:
         """Entry w is visible at position p iff (w + 1) * ratio <= p + 1; CSA keeps the indexer's top-k."""
         if self.layer_type == CSA:
             indexer = self.compressor.indexer
-            return indexer.select(span["iq"][rows], span["iw"][rows], state.index_keys[:n_visible], positions)
+            return indexer.select(span["iq"][rows], span["iw"][rows], index_keys[:n_visible], positions)
         entry = torch.arange(n_visible, device=positions.device)
         return entry[None, :] < ((positions + 1) // self.ratio)[:, None]
 

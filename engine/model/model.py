@@ -19,7 +19,7 @@ from engine.model.hyper import HyperConnection, HyperHead, merge_streams
 from engine.model.moe import MoE
 from engine.model.norms import RMSNorm
 from engine.model.rope import Rotary
-from engine.model.state import SequenceState
+from engine.model.state import SequenceKV, SequenceState
 
 
 class DecoderLayer(nn.Module):
@@ -83,16 +83,24 @@ class DeepseekV4(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, chunks: Sequence[torch.Tensor], states: Sequence[SequenceState], all_logits: bool = False
+        self,
+        chunks: Sequence[torch.Tensor],
+        states: Sequence[SequenceKV],
+        all_logits: bool = False,
+        captures: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """Run new tokens of each sequence; advance each state in place.
 
         chunks[i]: 1-D token ids appended to sequence i (non-empty). Returns the logits of the last
         token of every chunk [B, vocab], or of every token packed in chunk order [sum(len), vocab].
+        captures[i]: ascending absolute positions in (num_tokens, num_tokens + len] where state i
+        captures its window and tails (see `SequenceKV.capture`).
         """
         if len(chunks) != len(states) or not chunks:
             raise ValueError("need one state per chunk and at least one chunk")
         batch = self._pack(chunks, states)
+        if captures is not None:
+            batch.captures = _checked_captures(captures, chunks, states)
         hidden = self.model(batch)
         if not all_logits:
             hidden = hidden[torch.tensor([end - 1 for _, end in batch.spans], device=hidden.device)]
@@ -112,3 +120,16 @@ class DeepseekV4(nn.Module):
         positions = torch.cat(positions).to(device)
         rope = {name: rotary.cos_sin(positions, self.dtype) for name, rotary in self.rotaries.items()}
         return ForwardBatch(input_ids, positions, spans, list(states), rope)
+
+
+def _checked_captures(captures, chunks, states) -> list[tuple[int, ...]]:
+    if len(captures) != len(chunks):
+        raise ValueError("need one capture list per chunk")
+    checked = []
+    for positions, chunk, state in zip(captures, chunks, states):
+        positions = tuple(int(p) for p in positions)
+        first, end = state.num_tokens, state.num_tokens + chunk.numel()
+        if list(positions) != sorted(set(positions)) or any(not first < p <= end for p in positions):
+            raise ValueError(f"capture positions {positions} must ascend within ({first}, {end}]")
+        checked.append(positions)
+    return checked

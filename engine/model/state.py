@@ -9,11 +9,16 @@ For every layer a sequence holds:
 
 `split_state` / `join_state` cut a state at a block boundary into pages of block KV + the SWA
 windows + the tails, and rebuild it; a rebuilt state continues bit-identically.
+
+Attention reaches a state only through the `SequenceKV` methods, so storage is the state's
+business: `SequenceState` keeps contiguous tensors (the simple oracle); `engine.kv.PagedState`
+keeps block KV in pool pages through a page table and the window in a ring.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -49,17 +54,79 @@ class LayerState:
         )
 
 
+class SequenceKV(Protocol):
+    """What attention needs from one sequence's state; positions are absolute token positions."""
+
+    num_tokens: int
+
+    def window(self, layer: int, position: int) -> torch.Tensor:
+        """KV of the last (at most sliding_window) tokens before `position`, oldest first."""
+
+    def append_window(self, layer: int, kv: torch.Tensor, position: int) -> None:
+        """Record the KV of tokens [position, position + len(kv))."""
+
+    def entries(self, layer: int, count: int) -> torch.Tensor:
+        """The first `count` compressed entries [count, head_dim]."""
+
+    def write_entries(self, layer: int, first: int, new: torch.Tensor) -> None: ...
+
+    def index_keys(self, layer: int, count: int) -> torch.Tensor: ...
+
+    def write_index_keys(self, layer: int, first: int, new: torch.Tensor) -> None: ...
+
+    def tail(self, layer: int) -> PoolerTail | None: ...
+
+    def index_tail(self, layer: int) -> PoolerTail | None: ...
+
+    def capture(self, layer: int, position: int) -> None:
+        """Keep a copy of the layer's window and tails as they stand at `position` (a block boundary)."""
+
+
 @dataclass(slots=True)
 class SequenceState:
+    """Contiguous state: tensors that grow by concatenation. Simple; the paged state's oracle."""
+
     num_tokens: int
     layers: list[LayerState]
+    window_size: int = 128
 
     @classmethod
     def empty(cls, config: ModelConfig, device=None, dtype: torch.dtype = torch.float32) -> "SequenceState":
-        return cls(num_tokens=0, layers=[_empty_layer(config, i, device, dtype) for i in range(config.num_layers)])
+        layers = [_empty_layer(config, i, device, dtype) for i in range(config.num_layers)]
+        return cls(num_tokens=0, layers=layers, window_size=config.sliding_window)
 
     def clone(self) -> "SequenceState":
-        return SequenceState(self.num_tokens, [layer.clone() for layer in self.layers])
+        return SequenceState(self.num_tokens, [layer.clone() for layer in self.layers], self.window_size)
+
+    def window(self, layer: int, position: int) -> torch.Tensor:
+        return self.layers[layer].window
+
+    def append_window(self, layer: int, kv: torch.Tensor, position: int) -> None:
+        state = self.layers[layer]
+        state.window = torch.cat([state.window, kv])[-self.window_size :].clone()
+
+    def entries(self, layer: int, count: int) -> torch.Tensor:
+        return self.layers[layer].entries[:count]
+
+    def write_entries(self, layer: int, first: int, new: torch.Tensor) -> None:
+        state = self.layers[layer]
+        state.entries = torch.cat([state.entries[:first], new])
+
+    def index_keys(self, layer: int, count: int) -> torch.Tensor:
+        return self.layers[layer].index_keys[:count]
+
+    def write_index_keys(self, layer: int, first: int, new: torch.Tensor) -> None:
+        state = self.layers[layer]
+        state.index_keys = torch.cat([state.index_keys[:first], new])
+
+    def tail(self, layer: int) -> PoolerTail | None:
+        return self.layers[layer].tail
+
+    def index_tail(self, layer: int) -> PoolerTail | None:
+        return self.layers[layer].index_tail
+
+    def capture(self, layer: int, position: int) -> None:
+        raise NotImplementedError("the contiguous state keeps no boundary captures; use engine.kv.PagedState")
 
 
 @dataclass(slots=True)
@@ -123,7 +190,7 @@ def join_state(parts: StateParts, config: ModelConfig) -> SequenceState:
     for i, (layer, count) in enumerate(zip(layers, expected)):
         if layer.entries is not None and layer.entries.shape[0] != count:
             raise ValueError(f"layer {i}: {layer.entries.shape[0]} entries for {parts.num_tokens} tokens")
-    return SequenceState(parts.num_tokens, layers)
+    return SequenceState(parts.num_tokens, layers, config.sliding_window)
 
 
 def state_nbytes(state: SequenceState) -> dict[str, int]:
@@ -145,15 +212,15 @@ def _empty_layer(config: ModelConfig, layer: int, device, dtype) -> LayerState:
     state = LayerState(
         window=window,
         entries=torch.empty(0, config.head_dim, device=device, dtype=dtype),
-        tail=_empty_tail(config.head_dim, config.layer_types[layer] == CSA, device, dtype),
+        tail=empty_tail(config.head_dim, config.layer_types[layer] == CSA, device, dtype),
     )
     if config.layer_types[layer] == CSA:
         state.index_keys = torch.empty(0, config.index_head_dim, device=device, dtype=dtype)
-        state.index_tail = _empty_tail(config.index_head_dim, True, device, dtype)
+        state.index_tail = empty_tail(config.index_head_dim, True, device, dtype)
     return state
 
 
-def _empty_tail(head_dim: int, overlap: bool, device, dtype) -> PoolerTail:
+def empty_tail(head_dim: int, overlap: bool, device, dtype) -> PoolerTail:
     width = 2 * head_dim if overlap else head_dim
     empty = torch.empty(0, width, device=device, dtype=dtype)
     return PoolerTail(pending_kv=empty, pending_gate=empty.clone())

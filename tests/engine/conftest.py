@@ -7,7 +7,7 @@ import torch
 
 from engine.model import load_model
 from engine.model.random_init import write_random_model_dir
-from tests.engine.references import TEST_VOCAB
+from tests.engine.references import TEST_VOCAB, make_prompt
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +59,30 @@ def single_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def make_engine(tiny_dir):
+    """EngineCore on the seed-0 tiny model (fp32); keyword arguments override EngineConfig."""
+    from engine.engine_core import EngineConfig, EngineCore
+
+    def make(**overrides):
+        return EngineCore(EngineConfig(model_dir=str(tiny_dir(0)), dtype="float32", **overrides))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def greedy_alone(tiny_model):
+    """prompt length -> the 64-token greedy continuation of make_prompt(length, 0), computed alone on
+    the contiguous-state model (the oracle every engine path must reproduce). Cached per session."""
+    from engine.model.generate import greedy_generate
+
+    cache = {}
+
+    def get(length: int, new_tokens: int = 64) -> list[int]:
+        if (length, new_tokens) not in cache:
+            cache[length, new_tokens] = greedy_generate(tiny_model(0), make_prompt(length, 0), new_tokens)
+        return cache[length, new_tokens]
+
+    return get

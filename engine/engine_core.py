@@ -1,0 +1,250 @@
+"""The engine as the worker service sees it: add requests, step, read outputs, move state.
+
+EngineCore is synchronous and single-threaded: each `step` schedules one batch (decode tokens and
+prefill chunks), runs one forward, samples, and returns the outputs of the requests that got a
+token or finished. Between steps callers may add, abort, snapshot, restore, export blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.kv.manager import KVCache
+from engine.kv.prefix_hash import BLOCK_SIZE
+from engine.kv.snapshot import make_snapshot, parse_snapshot
+from engine.model.loader import DTYPES, load_model
+from engine.runner import ModelRunner
+from engine.sampling import make_generator, validate_sampling_params
+from engine.scheduler import Scheduler, Sequence, SequenceStatus
+from messages.common import FinishReason, SamplingParams
+from messages.handoff import KVSnapshot
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model_dir: str
+    device: str = "cpu"
+    dtype: str | None = None  # None: the model config's dtype
+    num_pages: int = 512  # block-KV pages of 128 tokens, preallocated
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 2048
+    enable_prefix_cache: bool = True
+    batch_invariant: bool = False
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (capped by the pool)
+    swa_cache_bytes: int = 1 << 30  # host memory for window + tail states saved at cached block boundaries
+
+    def __post_init__(self):
+        if not self.model_dir:
+            raise ValueError("model_dir is required")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device {self.device!r} is not a torch device: {exc}") from None
+        if self.dtype is not None and self.dtype.removeprefix("torch.") not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}")
+        for name in ("num_pages", "max_num_seqs", "max_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len!r}")
+        if self.swa_cache_bytes < 0:
+            raise ValueError(f"swa_cache_bytes must be >= 0, got {self.swa_cache_bytes}")
+        if self.batch_invariant and self.max_batched_tokens < BLOCK_SIZE + self.max_num_seqs:
+            raise ValueError(f"batch_invariant needs max_batched_tokens >= {BLOCK_SIZE} + max_num_seqs "
+                             f"(one {BLOCK_SIZE}-token prefill chunk next to a full decode batch)")
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    pages_total: int
+    pages_free: int  # neither referenced nor holding a cached block
+    kv_usage: float  # share of pages referenced by requests (0..1); cached pages count as reclaimable
+    num_preemptions: int
+    prefix_hit_tokens_total: int
+    pages_cached: int = 0  # unreferenced pages holding cached prefix blocks (evictable)
+    swa_states_cached: int = 0  # saved boundary states (window + tails) in host memory
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model = load_model(config.model_dir, config.device, config.dtype)
+        model_config = self.model.config
+        self.model_id = model_identity(config.model_dir, self.model.dtype)
+        limit = config.max_model_len or model_config.max_position_embeddings
+        self.max_len = min(limit, model_config.max_position_embeddings, config.num_pages * BLOCK_SIZE)
+        self.kv = KVCache(model_config, config.num_pages, config.max_num_seqs, self.model.device, self.model.dtype,
+                          config.enable_prefix_cache, config.swa_cache_bytes, BLOCK_SIZE)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_batched_tokens, self.max_len,
+                                   model_config.eos_token_id, config.batch_invariant)
+        self.runner = ModelRunner(self.model, self.kv, config.batch_invariant)
+        self.requests: dict[str, Sequence] = {}
+        self._finished_hashes: OrderedDict[str, list[bytes]] = OrderedDict()  # for completed_blocks
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        seq = self._new_sequence(request, ())
+        self.scheduler.add(seq)
+        self.requests[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its pages; False if it is not (or no longer) here."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.finish_reason = FinishReason.ABORT
+        return True
+
+    def has_unfinished(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    def request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        seqs, result = self.runner.run(scheduled)
+        token_ids = result.token_ids.tolist() if seqs else []
+        for row, seq in enumerate(seqs):
+            params = seq.sampling
+            logprob = result.logprobs[row] if params.logprobs and result.logprobs is not None else None
+            top = result.top_logprobs[row] if params.top_logprobs and result.top_logprobs is not None else None
+            self.scheduler.postprocess(seq, token_ids[row], logprob, top)
+        return [self._output(seq) for seq in seqs]
+
+    def stats(self) -> EngineStats:
+        blocks = self.kv.blocks
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            pages_total=blocks.num_pages, pages_free=blocks.num_free, kv_usage=blocks.num_used / blocks.num_pages,
+            num_preemptions=self.scheduler.num_preemptions, prefix_hit_tokens_total=self.scheduler.prefix_hit_tokens,
+            pages_cached=blocks.num_cached, swa_states_cached=len(self.kv.boundaries))
+
+    # ---- state movement ---------------------------------------------------------------------
+    def snapshot(self, request_id: str) -> tuple[KVSnapshot, list[torch.Tensor]]:
+        """The running request's state as it stands (header + contiguous CPU buffers). At a 128-token
+        boundary the tails hold only the CSA overlaps; elsewhere the last page is partial."""
+        return make_snapshot(self.kv, self._running(request_id))
+
+    def restore(self, request: EngineRequest, snapshot: KVSnapshot, buffers: Seq[torch.Tensor],
+                generated_ids: Seq[int] = ()) -> None:
+        """Continue a request from another engine's snapshot; `generated_ids` are the tokens it had
+        already produced (StateHandoff.generated_ids). The snapshot must leave at least one token
+        to feed (normally the last generated one)."""
+        seq = self._new_sequence(request, generated_ids)
+        seq.restored = parse_snapshot(self.kv, self.model_id, snapshot, list(buffers), seq.block_hashes)
+        if snapshot.num_tokens >= len(seq.token_ids):
+            raise ValueError(f"snapshot covers {snapshot.num_tokens} of {len(seq.token_ids)} tokens: nothing left "
+                             "to feed; snapshot before the last sampled token is fed or pass generated_ids")
+        seq.num_cached_tokens = snapshot.num_cached_tokens
+        self.scheduler.add(seq)
+        self.requests[seq.request_id] = seq
+
+    def completed_blocks(self, request_id: str, first_block: int = 0) -> list[tuple[bytes, list[torch.Tensor]]]:
+        """(chain hash, [page as a flat CPU tensor]) for each full computed block from `first_block`
+        on, prompt and generated. A recently finished request's blocks come from the prefix cache
+        while they stay cached."""
+        seq = self.requests.get(request_id)
+        if seq is not None and seq.state is not None:
+            hashes = seq.block_hashes[first_block : seq.num_computed // BLOCK_SIZE]
+            pages = seq.state.page_table[first_block : first_block + len(hashes)]
+        elif request_id in self._finished_hashes:
+            hashes = self._finished_hashes[request_id][first_block:]
+            pages = self.kv.blocks.lookup(hashes)
+        else:
+            raise ValueError(f"request {request_id!r} has no computed state here")
+        data = self.kv.pool.read_pages(pages).cpu() if pages else []
+        return [(h, [data[j]]) for j, h in enumerate(hashes[: len(pages)])]
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _new_sequence(self, request: EngineRequest, generated_ids: Seq[int]) -> Sequence:
+        rid, prompt, params = request.request_id, request.prompt_ids, request.sampling
+        if not isinstance(rid, str) or not rid:
+            raise ValueError("request_id must be a non-empty string")
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} is already in the engine")
+        if not prompt:
+            raise ValueError(f"request {rid!r}: empty prompt")
+        tokens = list(prompt) + list(generated_ids)
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"request {rid!r}: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(tokens) >= self.max_len:
+            raise ValueError(f"request {rid!r}: {len(tokens)} tokens leave no room to generate within the "
+                             f"engine's max length {self.max_len}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {rid!r}: sampling must be messages.common.SamplingParams")
+        validate_sampling_params(params, f"request {rid!r} sampling")
+        if params.max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {params.max_tokens}")
+        if len(generated_ids) >= params.max_tokens:
+            raise ValueError(f"request {rid!r}: already generated {len(generated_ids)} tokens, "
+                             f"max_tokens is {params.max_tokens}")
+        generator = make_generator(params.seed, rid, self.model.device)
+        return Sequence(rid, tokens, len(prompt), params, self.model_id, request.arrival_time, generator)
+
+    def _running(self, request_id: str) -> Sequence:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            raise ValueError(f"unknown request {request_id!r}")
+        if seq.status != SequenceStatus.RUNNING or seq.state is None:
+            raise ValueError(f"request {request_id!r} is waiting (not admitted, or preempted): no state to snapshot")
+        return seq
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out = RequestOutput(seq.request_id, seq.new_token_ids, seq.finish_reason, seq.new_logprobs,
+                            seq.new_top_logprobs, seq.num_prompt_tokens, seq.num_cached_tokens)
+        seq.new_token_ids, seq.new_logprobs, seq.new_top_logprobs = [], [], []
+        if seq.finish_reason is not None:
+            del self.requests[seq.request_id]
+            self._finished_hashes[seq.request_id] = seq.block_hashes
+            while len(self._finished_hashes) > 4 * self.config.max_num_seqs:
+                self._finished_hashes.popitem(last=False)
+        return out
+
+
+def model_identity(model_dir: str | Path, dtype: torch.dtype) -> str:
+    """`<dir name>-<dtype>-<digest>`: the digest covers config.json and each weight file's name, size,
+    header and first 64 KiB of tensor data, so engines on the same weights agree and different
+    weights differ (without reading whole checkpoints)."""
+    model_dir = Path(model_dir)
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update((model_dir / "config.json").read_bytes())
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        digest.update(f"{shard.name}:{shard.stat().st_size}".encode())
+        with shard.open("rb") as f:
+            header = f.read(8)
+            digest.update(header + f.read(int.from_bytes(header, "little") if len(header) == 8 else 0))
+            digest.update(f.read(1 << 16))
+    return f"{model_dir.name}-{str(dtype).removeprefix('torch.')}-{digest.hexdigest()}"

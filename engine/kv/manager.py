@@ -1,0 +1,140 @@
+"""The engine's KV memory: page pool + block manager + window slots + saved boundary states.
+
+The scheduler asks it `can_admit / admit`, `can_append / append`, `release`; after each forward
+`commit` indexes the blocks a sequence completed and saves the boundary states it captured.
+
+Prefix hits: a waiting sequence reuses the longest chain of cached pages matching its block
+hashes, cut back to the last boundary whose window + tails are saved in the boundary cache (see
+swa.py), and never the whole prompt (the last prompt token is always computed, for its logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv.block_manager import BlockManager
+from engine.kv.page_pool import PageLayout, PagePool
+from engine.kv.paged_state import PagedState
+from engine.kv.swa import BoundaryCache, BoundaryState, SwaSlots
+from engine.model.config import ModelConfig
+
+
+@dataclass(slots=True)
+class Hit:
+    """Where an admitted sequence starts: `tokens` already computed, from shared pages (a prefix
+    hit) or from restored page data (a hand-off)."""
+
+    tokens: int = 0
+    pages: tuple[int, ...] = ()  # cached pages shared with other sequences
+    boundary: BoundaryState | None = None
+    page_data: torch.Tensor | None = None  # restored pages [n, page_numel], copied into new pages
+
+
+@dataclass(slots=True)
+class Restored:
+    """A hand-off waiting for admission: its pages, window and tails as received."""
+
+    page_data: torch.Tensor
+    boundary: BoundaryState
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, num_pages: int, num_slots: int, device, dtype: torch.dtype,
+                 enable_prefix_cache: bool = True, boundary_cache_bytes: int = 1 << 30, block_size: int = 128):
+        self.config, self.block_size = config, block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.layout = PageLayout.from_config(config, block_size)
+        self.pool = PagePool(self.layout, num_pages, device, dtype)
+        self.blocks = BlockManager(num_pages)
+        self.slots = SwaSlots(num_slots, config.num_layers, config.sliding_window, config.head_dim, device, dtype)
+        self.boundaries = BoundaryCache(boundary_cache_bytes)
+
+    # ---- admission --------------------------------------------------------------------------
+    def find_hit(self, seq) -> Hit:
+        """Where `seq` (waiting) can start: its hand-off, else its longest usable cached prefix."""
+        if seq.restored is not None:
+            r = seq.restored
+            return Hit(r.boundary.num_tokens, (), r.boundary, r.page_data)
+        if not self.enable_prefix_cache:
+            return Hit()
+        usable_blocks = (len(seq.token_ids) - 1) // self.block_size
+        pages = self.blocks.lookup(seq.block_hashes[:usable_blocks])
+        for count in range(len(pages), 0, -1):
+            boundary = self.boundaries.get(seq.block_hashes[count - 1])
+            if boundary is not None:
+                return Hit(count * self.block_size, tuple(pages[:count]), boundary)
+        return Hit()
+
+    def can_admit(self, seq, hit: Hit, num_new: int) -> bool:
+        new_pages = self._pages_for(hit.tokens + num_new) - len(hit.pages)
+        return self.slots.num_free > 0 and self.blocks.can_allocate(new_pages + self.blocks.cost_to_share(hit.pages))
+
+    def admit(self, seq, hit: Hit, num_new: int) -> None:
+        """Give `seq` a window slot, its hit pages and pages for `num_new` more tokens."""
+        state = PagedState(self.config, self.pool, self.slots, self.slots.allocate())
+        self.blocks.share(hit.pages)
+        state.page_table = list(hit.pages)
+        state.page_table += self._allocate(self._pages_for(hit.tokens + num_new) - len(hit.pages))
+        if hit.page_data is not None:
+            self.pool.write_pages(state.page_table[: hit.page_data.shape[0]], hit.page_data)
+            if self.enable_prefix_cache and hit.tokens % self.block_size == 0:  # a hand-off at a boundary
+                b = hit.boundary
+                saved = BoundaryState(b.num_tokens, b.windows.clone(), b.tails.clone())
+                self.boundaries.put(seq.block_hashes[hit.tokens // self.block_size - 1], saved)
+        if hit.boundary is not None:
+            state.load(hit.boundary)
+        seq.state, seq.num_computed, seq.restored = state, hit.tokens, None
+        seq.num_registered_blocks = len(hit.pages)
+
+    def can_append(self, seq, num_new: int) -> bool:
+        return self.blocks.can_allocate(self._pages_for(seq.num_computed + num_new) - len(seq.state.page_table))
+
+    def append(self, seq, num_new: int) -> None:
+        state = seq.state
+        state.page_table += self._allocate(self._pages_for(seq.num_computed + num_new) - len(state.page_table))
+
+    def release(self, seq) -> None:
+        """Return a sequence's pages (full, indexed ones stay cached) and its window slot."""
+        if seq.state is None:
+            return
+        self.blocks.deallocate(seq.state.page_table)
+        self.slots.deallocate(seq.state.slot)
+        seq.state = None
+
+    # ---- after a forward --------------------------------------------------------------------
+    def capture_positions(self, seq, num_new: int) -> tuple[int, ...]:
+        """Block boundaries the next `num_new` tokens reach whose state is not saved yet."""
+        if not self.enable_prefix_cache:
+            return ()
+        first = seq.num_computed // self.block_size + 1
+        last = (seq.num_computed + num_new) // self.block_size
+        return tuple(b * self.block_size for b in range(first, last + 1)
+                     if seq.block_hashes[b - 1] not in self.boundaries)
+
+    def commit(self, seq) -> None:
+        """Index the full blocks computed so far and save the boundary states captured."""
+        state = seq.state
+        if self.enable_prefix_cache:
+            for block in range(seq.num_registered_blocks, seq.num_computed // self.block_size):
+                self.blocks.register(state.page_table[block], seq.block_hashes[block])
+            seq.num_registered_blocks = max(seq.num_registered_blocks, seq.num_computed // self.block_size)
+        for boundary in state.take_captures():
+            self.boundaries.put(seq.block_hashes[boundary.num_tokens // self.block_size - 1], boundary)
+
+    # ---- export -----------------------------------------------------------------------------
+    def read_pages(self, seq, count: int) -> torch.Tensor:
+        """The sequence's first `count` pages as one CPU tensor [count, page_numel]."""
+        return self.pool.read_pages(seq.state.page_table[:count]).cpu()
+
+    def _allocate(self, count: int) -> list[int]:
+        """Pages from the block manager; saved boundary states of evicted blocks go with them."""
+        pages = self.blocks.allocate(count)
+        for block_hash in self.blocks.evicted:
+            self.boundaries.discard(block_hash)
+        self.blocks.evicted.clear()
+        return pages
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)

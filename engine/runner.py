@@ -1,0 +1,53 @@
+"""Runs one scheduled step: the model forward over the scheduled chunks, then sampling.
+
+Batched mode packs every chunk into one forward. Batch-invariant mode runs one forward per
+sequence, so a sequence's numerics never see the other rows (the scheduler keeps its chunks
+independent of the batch too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv.manager import KVCache
+from engine.model.model import DeepseekV4
+from engine.sampling import SampleResult, sample
+from engine.scheduler.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV4, kv: KVCache, batch_invariant: bool = False):
+        self.model, self.kv, self.batch_invariant = model, kv, batch_invariant
+
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleResult | None]:
+        """Advance each scheduled sequence by its chunk; sample for those whose tokens are all in.
+
+        Returns the sequences that got a token and the sample (rows in that order).
+        """
+        logits = self._forward(scheduled)
+        ready = []
+        for row, (seq, count) in enumerate(scheduled):
+            seq.num_computed += count
+            if seq.state.num_tokens != seq.num_computed:
+                raise RuntimeError(f"{seq.request_id}: state holds {seq.state.num_tokens} tokens, "
+                                   f"expected {seq.num_computed}")
+            self.kv.commit(seq)
+            if seq.num_computed == len(seq.token_ids):
+                ready.append(row)
+        if not ready:
+            return [], None
+        seqs = [scheduled[row][0] for row in ready]
+        rows = logits[torch.tensor(ready, device=logits.device)].float()
+        return seqs, sample(rows, [s.sampling for s in seqs], [s.generator for s in seqs])
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
+        device = self.model.device
+        chunks, states, captures = [], [], []
+        for seq, count in scheduled:
+            tokens = seq.token_ids[seq.num_computed : seq.num_computed + count]
+            chunks.append(torch.tensor(tokens, dtype=torch.long, device=device))
+            states.append(seq.state)
+            captures.append(self.kv.capture_positions(seq, count))
+        if not self.batch_invariant:
+            return self.model(chunks, states, captures=captures)
+        return torch.cat([self.model([c], [s], captures=[p]) for c, s, p in zip(chunks, states, captures)])

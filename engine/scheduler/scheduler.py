@@ -1,0 +1,125 @@
+"""Continuous batching: which sequences run in the next forward, and how many tokens each.
+
+Every step mixes decode tokens and prefill chunks under `max_batched_tokens` and `max_num_seqs`.
+Running sequences go first, oldest first; each takes what it still needs (one token when
+decoding, the rest of its prompt up to the remaining budget when prefilling). When pages run out
+the newest running sequence is preempted: its state is freed and it goes back to the head of
+`waiting`, to be recomputed (full blocks stay cached, so recomputing often hits). Waiting
+sequences are admitted in arrival order while budget, slots and pages last, and not in a step
+that preempted.
+
+Batch-invariant mode fixes each sequence's chunks independently of the batch: prefill chunks
+end on the 128-token grid (a chunk waits for a step with room rather than being cut short).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.kv.manager import KVCache
+from engine.scheduler.sequence import Sequence, SequenceStatus
+from messages.common import FinishReason
+
+INVARIANT_CHUNK = 128
+
+
+class Scheduler:
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_batched_tokens: int, max_len: int,
+                 eos_token_id: int | None, batch_invariant: bool = False):
+        self.kv = kv
+        self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
+        self.max_len, self.eos_token_id = max_len, eos_token_id
+        self.batch_invariant = batch_invariant
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop an unfinished sequence (abort) and free its KV."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.release(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        scheduled, budget, preempted = [], self.max_batched_tokens, False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            count = self._chunk(seq, seq.num_computed, budget)
+            if count == 0:
+                i += 1
+                continue
+            while not self.kv.can_append(seq, count):
+                preempted = True
+                self._preempt(self.running[-1])
+                if i >= len(self.running):  # seq itself was the newest
+                    break
+            else:
+                self.kv.append(seq, count)
+                scheduled.append((seq, count))
+                budget -= count
+                i += 1
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self.kv.find_hit(seq)
+            count = self._chunk(seq, hit.tokens, budget)
+            if count == 0 or not self.kv.can_admit(seq, hit, count):
+                break
+            self.waiting.popleft()
+            self.kv.admit(seq, hit, count)
+            if hit.page_data is None and hit.tokens:
+                self.prefix_hit_tokens += hit.tokens
+                if not seq.num_preemptions:
+                    seq.num_cached_tokens = hit.tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, count))
+            budget -= count
+        return scheduled
+
+    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens `seq` runs next when its state holds `start` tokens; 0 = not this step."""
+        remaining = len(seq.token_ids) - start
+        if not self.batch_invariant:
+            return min(remaining, budget)
+        count = min(remaining, INVARIANT_CHUNK - start % INVARIANT_CHUNK)
+        return count if count <= budget else 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.release(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, seq: Sequence, token_id: int, logprob=None, top=None) -> None:
+        """Append a sampled token; finish the sequence (and free its KV) on a stop condition."""
+        seq.append(token_id, logprob, top)
+        reason = self._stop_reason(seq, token_id)
+        if reason is not None:
+            seq.finish_reason = reason
+            self.running.remove(seq)
+            self.kv.release(seq)
+            seq.status = SequenceStatus.FINISHED
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.sampling
+        if token_id == self.eos_token_id and not params.ignore_eos:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_generated >= params.max_tokens or len(seq.token_ids) >= self.max_len:
+            return FinishReason.LENGTH
+        return None
