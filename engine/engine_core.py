@@ -7,7 +7,6 @@ token or finished. Between steps callers may add, abort, snapshot, restore, expo
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.kv.manager import KVCache
+from engine.model_identity import model_identity
 from engine.kv.prefix_hash import BLOCK_SIZE
 from engine.kv.snapshot import make_snapshot, parse_snapshot
 from engine.model.loader import DTYPES, load_model
@@ -97,7 +97,7 @@ class EngineCore:
         self.config = config
         self.model = load_model(config.model_dir, config.device, config.dtype)
         model_config = self.model.config
-        self.model_id = model_identity(config.model_dir, self.model.dtype)
+        self.model_id = model_identity(config.model_dir, str(self.model.dtype))
         limit = config.max_model_len or model_config.max_position_embeddings
         self.max_len = min(limit, model_config.max_position_embeddings, config.num_pages * BLOCK_SIZE)
         self.kv = KVCache(model_config, config.num_pages, config.max_num_seqs, self.model.device, self.model.dtype,
@@ -232,19 +232,3 @@ class EngineCore:
             while len(self._finished_hashes) > 4 * self.config.max_num_seqs:
                 self._finished_hashes.popitem(last=False)
         return out
-
-
-def model_identity(model_dir: str | Path, dtype: torch.dtype) -> str:
-    """`<dir name>-<dtype>-<digest>`: the digest covers config.json and each weight file's name, size,
-    header and first 64 KiB of tensor data, so engines on the same weights agree and different
-    weights differ (without reading whole checkpoints)."""
-    model_dir = Path(model_dir)
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update((model_dir / "config.json").read_bytes())
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        digest.update(f"{shard.name}:{shard.stat().st_size}".encode())
-        with shard.open("rb") as f:
-            header = f.read(8)
-            digest.update(header + f.read(int.from_bytes(header, "little") if len(header) == 8 else 0))
-            digest.update(f.read(1 << 16))
-    return f"{model_dir.name}-{str(dtype).removeprefix('torch.')}-{digest.hexdigest()}"

@@ -8,6 +8,7 @@ version raises a WireError subclass, never anything else.
 from __future__ import annotations
 
 import os
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -60,8 +61,18 @@ class Envelope:
         return tensor_view(self.header.tensors[index], self.buffers[index])
 
 
+_IDS = random.Random()   # private: reseeded in forked children below; the global random stays untouched
+os.register_at_fork(after_in_child=_IDS.seed)
+
+
+def random_hex(bits: int) -> str:
+    """Random bits as hex digits from a private PRNG: ids need uniqueness, not secrecy, and a
+    getrandom syscall per message (os.urandom) is measurable."""
+    return f"{_IDS.getrandbits(bits):0{bits // 4}x}"
+
+
 def new_msg_id() -> str:
-    return os.urandom(8).hex()
+    return random_hex(64)
 
 
 def _nbytes(frame) -> int:
@@ -77,7 +88,8 @@ def _as_view(frame):
 
 
 class Codec:
-    """Encodes and decodes envelopes. Build one per process (or per service) and reuse it."""
+    """Encodes and decodes envelopes. Build one per process (or per service) and reuse it: it keeps
+    the encoder, the decoders and the tag frames of the types it has seen."""
 
     def __init__(self, sender: str = "", limits: WireLimits = WireLimits()):
         self.sender = sender
@@ -85,21 +97,25 @@ class Codec:
         self._encoder = msgspec.msgpack.Encoder()
         self._header_decoder = msgspec.msgpack.Decoder(Header)
         self._body_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+        self._tag_frames: dict[type, bytes] = {}    # message type -> its 2-byte tag frame
+        self._types: dict[bytes, type] = {}         # tag frame -> message type (known tags only)
 
     def encode(self, message: Message, *, request_id: str = "", traceparent: str = "",
                buffers=(), msg_id: str = "", in_reply_to: str = "") -> list:
         """Frames ready for `send_multipart(..., copy=False)`; buffers are not copied."""
-        tag = tag_of(type(message))
-        descs, views = [], []
+        cls = type(message)
+        tag_frame = self._tag_frames.get(cls)
+        if tag_frame is None:
+            tag_frame = self._tag_frames[cls] = tag_of(cls).to_bytes(2, "big")
+        encode = self._encoder.encode
+        descs, frames = [], [tag_frame, b""]
         for buf in buffers:
             desc, view = describe(buf)
             descs.append(desc)
-            views.append(view)
-        header = Header(
-            version=SCHEMA_VERSION, msg_id=msg_id or new_msg_id(), request_id=request_id,
-            traceparent=traceparent, sender=self.sender, sent_at=time.time(), tensors=descs,
-            body=msgspec.Raw(self._encoder.encode(message)), in_reply_to=in_reply_to)
-        return [tag.to_bytes(2, "big"), self._encoder.encode(header), *views]
+            frames.append(view)
+        frames[1] = encode(Header(SCHEMA_VERSION, msg_id or new_msg_id(), request_id, traceparent, self.sender,
+                                  time.time(), descs, msgspec.Raw(encode(message)), in_reply_to))
+        return frames
 
     def decode(self, frames) -> Envelope:
         """Frames (bytes, memoryviews or zmq.Frame) -> Envelope, or a WireError."""
@@ -108,25 +124,35 @@ class Codec:
             raise MalformedFrame(f"expected at least 2 frames (tag, header), got {len(frames)}")
         if len(frames) > lim.max_frames:
             raise FrameTooLarge(f"{len(frames)} frames exceed the limit of {lim.max_frames}")
-        tag_frame = bytes(_as_view(frames[0]))
-        if len(tag_frame) != 2:
-            raise MalformedFrame(f"type tag must be 2 bytes, got {len(tag_frame)}")
-        tag = int.from_bytes(tag_frame, "big")
-        cls = type_of(tag)
+        tag_frame = frames[0]
+        if type(tag_frame) is not bytes:
+            tag_frame = bytes(_as_view(tag_frame))
+        cls = self._types.get(tag_frame)
         if cls is None:
-            raise UnknownMessageType(f"unknown message type tag {tag:#06x}")
-        header_size = _nbytes(frames[1])
+            if len(tag_frame) != 2:
+                raise MalformedFrame(f"type tag must be 2 bytes, got {len(tag_frame)}")
+            tag = int.from_bytes(tag_frame, "big")
+            cls = type_of(tag)
+            if cls is None:
+                raise UnknownMessageType(f"unknown message type tag {tag:#06x}")
+            self._types[tag_frame] = cls
+        header_frame = frames[1]
+        if type(header_frame) is bytes:
+            header_size = len(header_frame)
+        else:
+            header_frame = _as_view(header_frame)
+            header_size = _nbytes(header_frame)
         if header_size > lim.max_header_bytes:
             raise FrameTooLarge(f"header of {header_size} bytes exceeds {lim.max_header_bytes}")
         try:
-            header = self._header_decoder.decode(_as_view(frames[1]))
+            header = self._header_decoder.decode(header_frame)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # nesting too deep
             raise MalformedFrame(f"bad header: {exc}") from None
         if header.version != SCHEMA_VERSION:
             raise SchemaVersionMismatch(
                 f"schema version {header.version}, this process speaks {SCHEMA_VERSION}",
                 request_id=header.request_id)
-        buffers = [_as_view(f) for f in frames[2:]]
+        buffers = [_as_view(f) for f in frames[2:]] if len(frames) > 2 else []
         if len(buffers) != len(header.tensors):
             raise MalformedFrame(f"header describes {len(header.tensors)} buffers, {len(buffers)} arrived",
                                  request_id=header.request_id)
@@ -146,4 +172,4 @@ class Codec:
             message = decoder.decode(header.body)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             raise MalformedFrame(f"bad {cls.__name__} body: {exc}", request_id=header.request_id) from None
-        return Envelope(message=message, header=header, buffers=buffers)
+        return Envelope(message, header, buffers)

@@ -23,6 +23,7 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 _NAME_OF_TORCH = {v: k for k, v in _TORCH_DTYPES.items()}
 _ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in _TORCH_DTYPES.items()}
 MAX_NDIM = 8
+_NUMPY_NATIVE = frozenset(name for name in _TORCH_DTYPES if name not in ("bfloat16", "float8_e4m3fn"))
 _INT64_MAX = 2**63 - 1
 
 
@@ -42,15 +43,19 @@ def describe(buf) -> tuple[TensorDesc, memoryview]:
     if isinstance(buf, tuple) and len(buf) == 2 and isinstance(buf[0], TensorDesc):
         return buf[0], memoryview(buf[1])
     if isinstance(buf, torch.Tensor):
-        if buf.device.type != "cpu":
+        if not buf.is_cpu:
             raise ValueError("move tensors to the CPU (pinned memory) before sending")
         if not buf.is_contiguous():
             raise ValueError("send contiguous tensors; call .contiguous() first (an explicit copy)")
         name = _NAME_OF_TORCH.get(buf.dtype)
         if name is None:
             raise ValueError(f"dtype {buf.dtype} cannot travel")
-        raw = buf.reshape(-1).view(torch.uint8) if buf.numel() else torch.empty(0, dtype=torch.uint8)
-        return TensorDesc(name, tuple(buf.shape)), memoryview(raw.numpy())
+        desc = TensorDesc(name, tuple(buf.shape))
+        if not buf.numel():
+            return desc, memoryview(torch.empty(0, dtype=torch.uint8).numpy())
+        if name in _NUMPY_NATIVE and not buf.requires_grad:   # numpy shares the memory directly; no reshape/view round trip
+            return desc, memoryview(buf.numpy()).cast("B")
+        return desc, memoryview(buf.reshape(-1).view(torch.uint8).numpy())
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise ValueError("send C-contiguous arrays")
@@ -81,7 +86,7 @@ def _strides_overflow(shape: tuple[int, ...]) -> bool:
 def tensor_view(desc: TensorDesc, buf) -> torch.Tensor:
     """A torch tensor over the received buffer (no copy; it keeps the buffer alive)."""
     dtype = _TORCH_DTYPES[desc.dtype]
-    view = memoryview(buf)
+    view = buf if type(buf) is memoryview else memoryview(buf)
     if view.nbytes == 0:
         return torch.empty(desc.shape, dtype=dtype)
     if view.readonly:  # bytes objects: torch needs a writable buffer to share, so copy once

@@ -94,7 +94,7 @@ class GatewayHttp:
             return _error_response(protocol, GatewayError(413, "request_too_large", "request body too large"))
         loop = asyncio.get_running_loop()
         try:
-            prepared = await loop.run_in_executor(svc.pool, svc.adapter.prepare, protocol, body)
+            prepared, hashes = await loop.run_in_executor(svc.pool, svc.prepare, protocol, body)
         except GatewayError as exc:
             log.info("request.rejected", status=exc.status_for(protocol), error=exc.message)
             return _error_response(protocol, exc)
@@ -105,7 +105,8 @@ class GatewayHttp:
         outcome, http = "ok", None
         try:
             svc.send(svc.config.upstream, prepared.generate_request(
-                return_address=svc.config.advertise, arrival_time=started), request_id=request_id, span=span)
+                return_address=svc.config.advertise, arrival_time=started, block_hashes=hashes),
+                request_id=request_id, span=span)
             first = await self._next(queue, svc.settings.first_chunk_timeout_s)
             if isinstance(first, GatewayError):
                 outcome = first.code or "error"

@@ -24,6 +24,7 @@ from services.runtime.service import Service
 DEFAULTS = {
     "http_bind": "127.0.0.1:8000",
     "model_dir": "",                 # tokenizer.json and config.json of the served model
+    "dtype": "",                     # the workers' dtype (part of the block-hash model identity); "" = the model's
     "served_model": "deepseek-v4-tiny",
     "context_length": 0,             # 0 = the model's max_position_embeddings
     "max_output_tokens": 0,          # 0 = context_length
@@ -40,6 +41,7 @@ DEFAULTS = {
 class GatewaySettings:
     http_bind: str
     model_dir: str
+    dtype: str
     served_model: str
     context_length: int
     max_output_tokens: int
@@ -73,6 +75,7 @@ class GatewayService(Service):
         self.settings = GatewaySettings.from_settings(config.settings)
         self.pending: dict[str, asyncio.Queue] = {}   # request id -> chunks (or errors) for its handler
         self.adapter = None
+        self.model_id = ""   # covered by every block hash; equal to the workers' engine model_id
         self.pool: ThreadPoolExecutor | None = None
         self.http_runner = None
         if not config.upstream:
@@ -95,9 +98,12 @@ class GatewayService(Service):
         loop = asyncio.get_running_loop()
         self.adapter = await loop.run_in_executor(
             None, Adapter, AdapterConfig(models=(model,), max_body_bytes=s.max_body_bytes))
+        if s.model_dir:
+            from engine.model_identity import configured_dtype, model_identity
+            self.model_id = model_identity(s.model_dir, s.dtype or configured_dtype(s.model_dir))
         self.pool = ThreadPoolExecutor(s.tokenize_threads, thread_name_prefix="tokenize")
         self.http_runner = await start_http(self)
-        self.log.info("gateway.listening", http=f"http://{s.http_bind}", model=s.served_model,
+        self.log.info("gateway.listening", http=f"http://{s.http_bind}", model=s.served_model, model_id=self.model_id,
                       context_length=context, upstream=self.config.upstream)
 
     async def on_stop(self) -> None:
@@ -121,6 +127,13 @@ class GatewayService(Service):
         else:
             self.log.warning("upstream.error", request_id=ctx.request_id or None, code=msg.code,
                              error=msg.message)
+
+    def prepare(self, protocol, body: bytes):
+        """Convert, render, encode (adapter), then the prompt's block hash chain. Runs in the pool."""
+        from engine.kv.prefix_hash import block_hashes
+        prepared = self.adapter.prepare(protocol, body)
+        hashes = block_hashes(self.model_id, prepared.prompt_ids) if self.model_id else []
+        return prepared, hashes
 
     def on_upstream_lost(self) -> None:
         """The upstream stopped answering heartbeats: nothing will arrive for open requests."""

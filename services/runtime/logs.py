@@ -9,10 +9,24 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from contextvars import ContextVar
 
 import structlog
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+# The request being handled (request_id, trace_id, span_id, parent_span_id): set by the service
+# shell around each handler; one ContextVar set/reset is far cheaper than structlog's bind per field.
+REQUEST_FIELDS: ContextVar[dict | None] = ContextVar("epd_request_fields", default=None)
+
+
+def _merge_request_fields(_, __, event_dict):
+    fields = REQUEST_FIELDS.get()
+    if fields:
+        for key, value in fields.items():
+            event_dict.setdefault(key, value)
+    return event_dict
 
 
 def _epoch_ts(_, __, event_dict):
@@ -27,6 +41,7 @@ def configure_logging(level: str = "info", stream=None) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _merge_request_fields,
             structlog.processors.add_log_level,
             _epoch_ts,
             structlog.processors.format_exc_info,

@@ -18,7 +18,6 @@ from typing import Awaitable, Callable
 
 import structlog
 import zmq
-import zmq.asyncio
 
 from messages import Codec, Envelope, ErrorReply, Message, WireError
 from messages.control import (Drain, Echo, EchoReply, Heartbeat, HeartbeatAck, Load, Register,
@@ -27,6 +26,7 @@ from messages.envelope import new_msg_id
 from messages.errors import Draining, ErrorCode, Overloaded, PeerDead, RequestTimeout, UnexpectedMessage
 from services.runtime.config import ServiceConfig
 from services.runtime.context import Context
+from services.runtime.logs import REQUEST_FIELDS
 from services.runtime.membership import DispatchTracker, MembershipTable, Peer
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.tracing import SpanContext, span_from
@@ -56,7 +56,7 @@ class Service:
         self._handlers: dict[type, Handler] = {
             Register: self._on_register, Heartbeat: self._on_heartbeat, StatusQuery: self._on_status,
             Drain: self._on_drain, Echo: self._on_echo, **self.handlers()}
-        self._zmq: zmq.asyncio.Context | None = None
+        self._zmq: zmq.Context | None = None
         self._links: dict[str, Link] = {}
         self._pending: dict[str, tuple[asyncio.Future, str]] = {}   # msg id -> (reply future, address)
         self._queue: asyncio.Queue[Context] | None = None
@@ -100,7 +100,9 @@ class Service:
         if install_signals:
             loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
             loop.add_signal_handler(signal.SIGINT, self.begin_drain)
-        self._zmq = zmq.asyncio.Context()
+        self.metrics.queue_depth.set_function(lambda: self._queue.qsize())
+        self.metrics.in_flight.set_function(self.in_flight)
+        self._zmq = zmq.Context()
         try:
             self.inbox = Inbox(self._zmq, self.config.bind, self.config.hwm)
             await self.on_start()
@@ -108,7 +110,7 @@ class Service:
             self.log.error("service.start_failed", error=repr(exc), bind=self.config.bind)
             self._close_sockets(linger_ms=0)
             return 1
-        self._spawn(self._read_inbox())
+        self.inbox.listen(lambda identity, frames: self._accept(frames, identity=identity))
         for _ in range(self.config.concurrency):
             self._spawn(self._work())
         self._spawn(self._expire_peers())
@@ -184,7 +186,7 @@ class Service:
         link = self._links.get(address)
         if link is None:
             link = self._links[address] = Link(self._zmq, address, self.config.hwm)
-            self._spawn(self._read_link(link))
+            link.listen(lambda frames: self._accept(frames, link=link))
         return link
 
     def drop_link(self, address: str) -> None:
@@ -207,32 +209,23 @@ class Service:
                    span: SpanContext | None = None, buffers=(), timeout: float | None = None) -> Envelope:
         """Send and wait for the reply; an ErrorReply is raised as RemoteError."""
         msg_id = new_msg_id()
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._pending[msg_id] = (future, address)
+        timer = loop.call_later(timeout or self.config.call_timeout_s, _expire, future)   # cheaper than wait_for
         try:
             self.send(address, message, request_id=request_id, span=span, buffers=buffers, msg_id=msg_id)
-            envelope = await asyncio.wait_for(future, timeout or self.config.call_timeout_s)
+            envelope = await future
         except asyncio.TimeoutError:
             raise RequestTimeout(f"{type(message).__name__} to {address} got no reply", request_id=request_id) from None
         finally:
+            timer.cancel()
             self._pending.pop(msg_id, None)
         if isinstance(envelope.message, ErrorReply):
             raise envelope.message.to_exception(request_id)
         return envelope
 
     # ---- receiving ---------------------------------------------------------------------
-    async def _read_inbox(self) -> None:
-        while True:
-            identity, frames = await self.inbox.recv()
-            self._accept(frames, identity=identity)
-
-    async def _read_link(self, link: Link) -> None:
-        try:
-            while True:
-                self._accept(await link.recv(), link=link)
-        except zmq.ZMQError:   # the link was closed under us
-            return
-
     def _accept(self, frames: list, *, identity: bytes | None = None, link: Link | None = None) -> None:
         try:
             envelope = self.codec.decode(frames)
@@ -271,7 +264,6 @@ class Service:
                                             f"({self.config.queue_size})").to_reply())
             return
         self._active += 1   # counted from acceptance so a drain never misses queued work
-        self.metrics.queue_depth.set(self._queue.qsize())
 
     def _spawn_short(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -280,44 +272,42 @@ class Service:
     async def _work(self) -> None:
         while True:
             ctx = await self._queue.get()
-            self.metrics.queue_depth.set(self._queue.qsize())
-            self.metrics.in_flight.set(self._active)
             try:
                 await self._handle(ctx, self._handlers[type(ctx.message)], summarize=True)
             finally:
                 self._active -= 1
-                self.metrics.in_flight.set(self._active)
 
     async def _handle(self, ctx: Context, handler: Handler, summarize: bool = False) -> None:
         header = ctx.envelope.header
         type_name = type(ctx.message).__name__
         started = time.time()
         outcome = "ok"
-        with structlog.contextvars.bound_contextvars(**ctx.log_fields()):
-            try:
-                reply = await handler(ctx.message, ctx)
-                if reply is not None:
-                    ctx.reply(reply)
-            except WireError as exc:
-                outcome = exc.code.name
-                self.metrics.error(exc.code.name)
-                self._try_reply(ctx, exc.to_reply())
-            except asyncio.CancelledError:
-                outcome = "cancelled"
-                raise
-            except Exception as exc:   # a bug in a handler: answer, log, keep serving
-                outcome = ErrorCode.INTERNAL.name
-                self.metrics.error(outcome)
-                self.log.exception("handler.failed", type=type_name)
-                self._try_reply(ctx, ErrorReply(int(ErrorCode.INTERNAL), f"{type_name}: {exc!r}"))
-            finally:
-                done = time.time()
-                self.metrics.observe(type_name, done - started)
-                if summarize and header.request_id:
-                    self.log.info("request.summary", type=type_name, sender=header.sender, start=started,
-                                  wire_ms=round((ctx.received_at - header.sent_at) * 1e3, 3),
-                                  queue_ms=round((started - ctx.received_at) * 1e3, 3),
-                                  handle_ms=round((done - started) * 1e3, 3), outcome=outcome)
+        fields = REQUEST_FIELDS.set(ctx.log_fields())   # every log line of this handler carries them
+        try:
+            reply = await handler(ctx.message, ctx)
+            if reply is not None:
+                ctx.reply(reply)
+        except WireError as exc:
+            outcome = exc.code.name
+            self.metrics.error(exc.code.name)
+            self._try_reply(ctx, exc.to_reply())
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as exc:   # a bug in a handler: answer, log, keep serving
+            outcome = ErrorCode.INTERNAL.name
+            self.metrics.error(outcome)
+            self.log.exception("handler.failed", type=type_name)
+            self._try_reply(ctx, ErrorReply(int(ErrorCode.INTERNAL), f"{type_name}: {exc!r}"))
+        finally:
+            done = time.time()
+            self.metrics.observe(type_name, done - started)
+            if summarize and header.request_id:
+                self.log.info("request.summary", type=type_name, sender=header.sender, start=started,
+                              wire_ms=round((ctx.received_at - header.sent_at) * 1e3, 3),
+                              queue_ms=round((started - ctx.received_at) * 1e3, 3),
+                              handle_ms=round((done - started) * 1e3, 3), outcome=outcome)
+            REQUEST_FIELDS.reset(fields)
 
     def _try_reply(self, ctx, reply: Message) -> None:
         if not isinstance(ctx, Context) or ctx.replied:
@@ -369,3 +359,8 @@ class Service:
                 self.drop_link(peer.address)
                 self.on_peer_dead(peer)
             self.metrics.peers_alive.set(len(self.members.alive()))
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(asyncio.TimeoutError())

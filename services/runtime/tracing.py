@@ -1,9 +1,10 @@
 """W3C trace context (traceparent) for spans across services."""
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
+
+from messages.envelope import random_hex
 
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 
@@ -19,11 +20,11 @@ class SpanContext:
         return f"00-{self.trace_id}-{self.span_id}-01"
 
     def child(self) -> "SpanContext":
-        return SpanContext(self.trace_id, os.urandom(8).hex(), self.span_id)
+        return SpanContext(self.trace_id, random_hex(64), self.span_id)
 
 
 def new_trace() -> SpanContext:
-    return SpanContext(os.urandom(16).hex(), os.urandom(8).hex())
+    return SpanContext(random_hex(128), random_hex(64))
 
 
 def span_from(traceparent: str) -> SpanContext:
@@ -31,4 +32,4 @@ def span_from(traceparent: str) -> SpanContext:
     match = _TRACEPARENT.match(traceparent or "")
     if not match or match.group(1) == "0" * 32:
         return new_trace()
-    return SpanContext(match.group(1), os.urandom(8).hex(), match.group(2))
+    return SpanContext(match.group(1), random_hex(64), match.group(2))

@@ -3,74 +3,211 @@
 Requests go to a peer's Inbox; replies come back on the Link that sent the request. Every socket
 has finite high-water marks, and sends never block: a full queue raises Overloaded and an
 unreachable peer raises PeerDead, so backpressure is visible to the caller.
+
+The hot path drives plain (synchronous) zmq sockets from the running event loop rather than
+zmq.asyncio, whose futures cost several libzmq calls (each a few syscalls) per message. A socket
+is read either by one task awaiting `recv()`, or, cheaper, by a callback given to `listen()` that
+the loop calls for every message as soon as the socket's FD wakes it (all queued messages in one
+go, no future, no task switch). ZMQ_FD is edge-triggered: any call on the socket may consume the
+notification, so after a send a waiting reader re-checks ZMQ_EVENTS, and a notification that no
+reader waits for is consumed at once (the next `recv()` finds the message without waiting).
+
+Frames up to and including the header arrive as bytes (small: a copy is cheaper than a zmq.Frame
+object); the buffer frames after it arrive as zero-copy zmq.Frame.
 """
 from __future__ import annotations
 
+import asyncio
 import errno
+from typing import Callable
 
 import zmq
-import zmq.asyncio
 
 from messages.errors import Overloaded, PeerDead
 
 CLOSE_LINGER_MS = 500    # on orderly close: time for the last replies to leave
+DRAIN_BATCH = 256        # messages one wake-up of a listener delivers before yielding to the loop
+
+_DONTWAIT, _SNDMORE, _RCVMORE, _EVENTS, _POLLIN = zmq.DONTWAIT, zmq.SNDMORE, zmq.RCVMORE, zmq.EVENTS, zmq.POLLIN
 
 
-def _common(sock: zmq.Socket, hwm: int) -> None:
-    sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+def _received_frame(view: memoryview):
+    """A view of a whole received zmq.Frame goes out as that Frame: libzmq shares the message by
+    reference count, where any other zero-copy buffer pins a Python object through pyzmq's
+    garbage-collector thread until libzmq is done with it."""
+    owner = view.obj
+    if type(owner) is zmq.Frame and view.c_contiguous and view.nbytes == len(owner):
+        return owner
+    return view
 
 
-def _send_now(sock: zmq.asyncio.Socket, frames: list, what: str) -> None:
-    try:
-        sock.send_multipart(frames, flags=zmq.DONTWAIT, copy=False).result()
-    except zmq.Again:
-        raise Overloaded(f"send queue to {what} is full (high-water mark)") from None
-    except zmq.ZMQError as exc:
-        if exc.errno == errno.EHOSTUNREACH:
-            raise PeerDead(f"{what} is no longer connected") from None
-        raise
+class _Endpoint:
+    """One plain zmq socket on the running loop, read by one task (`_recv`) or one listener."""
+
+    def __init__(self, ctx: zmq.Context, socket_type: int, hwm: int, copied_frames: int):
+        self.sock = ctx.socket(socket_type, socket_class=zmq.Socket)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
+        self.sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+        self._copied = copied_frames   # leading frames received as bytes; the rest stay zero-copy
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = -1
+        self._waiter: asyncio.Future | None = None            # the one pending recv()
+        self._deliver: Callable[[list], None] | None = None   # the listener, once listen() was called
+        self._drain_soon = False
+
+    # ---- receiving ---------------------------------------------------------------------------
+    def _recv_now(self) -> list:
+        """One whole message without waiting, or zmq.Again."""
+        sock, copied = self.sock, self._copied
+        frames = [sock.recv(_DONTWAIT)]
+        while sock.getsockopt(_RCVMORE):   # the rest of a multipart message is already here
+            frames.append(sock.recv(_DONTWAIT, len(frames) < copied))
+        return frames
+
+    def _watch(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._fd = self.sock.FD
+            self._loop.add_reader(self._fd, self._on_readable)
+
+    async def _recv(self) -> list:
+        if self._deliver is not None:
+            raise RuntimeError("this socket has a listener; recv() would race it")
+        try:
+            return self._recv_now()
+        except zmq.Again:
+            pass
+        if self._waiter is not None:
+            raise RuntimeError("one receiver at a time per socket")
+        self._watch()
+        self._waiter = waiter = self._loop.create_future()
+        try:
+            return await waiter
+        finally:
+            if self._waiter is waiter:
+                self._waiter = None
+
+    def _listen(self, deliver: Callable[[list], None]) -> None:
+        if self._waiter is not None or self._deliver is not None:
+            raise RuntimeError("this socket already has a reader")
+        self._deliver = deliver
+        self._watch()
+        self._schedule_drain()   # messages may have queued before we watched the FD
+
+    def _on_readable(self) -> None:
+        if self._deliver is not None:
+            self._drain()
+            return
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            self.sock.getsockopt(_EVENTS)   # nobody waits: consume the notification, the next recv reads
+            return
+        try:
+            frames = self._recv_now()
+        except zmq.Again:
+            return
+        except zmq.ZMQError as exc:
+            self._waiter = None
+            waiter.set_exception(exc)
+            return
+        self._waiter = None
+        waiter.set_result(frames)
+
+    def _drain(self) -> None:
+        """Deliver what is queued, up to DRAIN_BATCH messages; the rest on the next loop iteration."""
+        self._drain_soon = False
+        deliver = self._deliver
+        for _ in range(DRAIN_BATCH):
+            if self.sock.closed:
+                return
+            try:
+                frames = self._recv_now()
+            except zmq.Again:
+                return
+            try:
+                deliver(frames)
+            except Exception:   # the loop reports it; the messages behind it are still read
+                self._schedule_drain()
+                raise
+        self._schedule_drain()
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_soon:
+            self._drain_soon = True
+            self._loop.call_soon(self._drain)
+
+    # ---- sending -----------------------------------------------------------------------------
+    def _send(self, frames: list, what: str) -> None:
+        sock, last = self.sock, len(frames) - 1
+        try:
+            for i, frame in enumerate(frames):
+                if type(frame) is memoryview:
+                    frame = _received_frame(frame)
+                sock.send(frame, _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=False)
+        except zmq.Again:
+            raise Overloaded(f"send queue to {what} is full (high-water mark)") from None
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EHOSTUNREACH:
+                raise PeerDead(f"{what} is no longer connected") from None
+            raise
+        finally:   # the send may have consumed the FD's notification of a message a reader waits for
+            if (self._waiter is not None or self._deliver is not None) and not sock.closed \
+                    and sock.getsockopt(_EVENTS) & _POLLIN:
+                if self._deliver is not None:
+                    self._schedule_drain()
+                else:
+                    self._on_readable()
+
+    def close(self, linger_ms: int = CLOSE_LINGER_MS) -> None:
+        if self.sock.closed:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(zmq.ZMQError(errno.ENOTSOCK))
+        self.sock.close(linger=linger_ms)
 
 
-class Inbox:
+class Inbox(_Endpoint):
     """The bound ROUTER socket: frames arrive as (identity, frames) and replies go back by identity."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, bind: str, hwm: int):
-        self.sock = ctx.socket(zmq.ROUTER)
-        _common(self.sock, hwm)
+    def __init__(self, ctx: zmq.Context, bind: str, hwm: int):
+        super().__init__(ctx, zmq.ROUTER, hwm, copied_frames=3)   # identity, tag, header
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # unroutable replies raise instead of vanishing
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)    # a reconnecting peer takes over its identity
         self.sock.bind(bind)
         self.bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     async def recv(self) -> tuple[bytes, list]:
-        frames = await self.sock.recv_multipart(copy=False)
-        return frames[0].bytes, frames[1:]
+        frames = await self._recv()
+        return frames[0], frames[1:]
+
+    def listen(self, on_message: Callable[[bytes, list], None]) -> None:
+        """Call `on_message(identity, frames)` from the loop for every message, instead of recv()."""
+        self._listen(lambda frames: on_message(frames[0], frames[1:]))
 
     def send(self, identity: bytes, frames: list) -> None:
-        _send_now(self.sock, [identity, *frames], f"peer {identity.hex()}")
-
-    def close(self, linger_ms: int = CLOSE_LINGER_MS) -> None:
-        self.sock.close(linger=linger_ms)
+        self._send([identity, *frames], f"peer {identity.hex()}")
 
 
-class Link:
+class Link(_Endpoint):
     """A DEALER socket connected to one peer's Inbox."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, hwm: int):
+    def __init__(self, ctx: zmq.Context, address: str, hwm: int):
+        super().__init__(ctx, zmq.DEALER, hwm, copied_frames=2)   # tag, header
         self.address = address
-        self.sock = ctx.socket(zmq.DEALER)
-        _common(self.sock, hwm)
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         self.sock.connect(address)
 
     async def recv(self) -> list:
-        return await self.sock.recv_multipart(copy=False)
+        return await self._recv()
+
+    def listen(self, on_message: Callable[[list], None]) -> None:
+        """Call `on_message(frames)` from the loop for every message, instead of recv()."""
+        self._listen(on_message)
 
     def send(self, frames: list) -> None:
-        _send_now(self.sock, frames, self.address)
-
-    def close(self, linger_ms: int = CLOSE_LINGER_MS) -> None:
-        self.sock.close(linger=linger_ms)
+        self._send(frames, self.address)

@@ -175,3 +175,12 @@ def test_client_disconnect_mid_stream_frees_the_request_in_the_worker(stack):
     conn.close()
     wait_until(lambda: worker_status(stack).load.in_flight == 0, 20, "the worker to free the aborted request")
     assert worker_status(stack).load.batch_size == 0
+
+
+def test_gateway_and_worker_agree_on_the_block_hash_chain(oai, stack):
+    out = chat(oai, "block " * 400, max_tokens=2)   # > 128 prompt tokens: at least one full block
+    assert out.usage.prompt_tokens >= 256
+    worker = next(s for s in stack["state"]["services"] if s["kind"] == "unified_worker")
+    gateway = next(s for s in stack["state"]["services"] if s["kind"] == "gateway")
+    assert '"event": "hash_chain.mismatch"' not in open(worker["log"]).read()
+    assert '"model_id": "deepseek-v4-tiny-float32-' in open(gateway["log"]).read()

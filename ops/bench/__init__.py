@@ -1,0 +1,20 @@
+"""`epd bench ...`: one module per benchmark, each with a `register(subparsers)` adding its subcommand.
+
+Adding a benchmark is one line in BENCH_MODULES. Modules keep heavy imports (torch, zmq, the
+runtime) inside their handlers so `epd --help` stays fast.
+"""
+from __future__ import annotations
+
+import importlib
+
+BENCH_MODULES = (
+    "ops.bench.wire",      # bench wire: runtime transport vs raw pyzmq
+    "ops.bench.gateway",   # bench gateway: adapter vs bare deepseek-recipe (prepare, stream, loop lag)
+)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="measure the stack (latency, throughput) against targets")
+    benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for module_name in BENCH_MODULES:
+        importlib.import_module(module_name).register(benches)

@@ -1,0 +1,423 @@
+"""`epd bench wire`: what the runtime costs on top of ZeroMQ, in one run.
+
+Over tcp loopback and ipc, for small messages (64-byte payload) and 1 MiB tensor frames, it
+measures round-trip latency with one request outstanding (p50/p99) and throughput with a window
+of requests outstanding (64 small, 8 large), for three clients:
+
+  raw   the baseline: a plain blocking pyzmq loop, DEALER client -> ROUTER echo server in another
+        process that sends back the frames it got. The client sends the very frames the runtime's
+        Codec produces (encoded once), so both sides move the same bytes in the same frames, with
+        the same copy semantics (copied below 64 KiB as pyzmq does, zero-copy for the 1 MiB frame).
+  call  the runtime as services use it: a client Service's `call` -> the echo Service
+        (`services.runtime.main echo`, uvloop) in another process.
+  lean  the same echo Service driven by a lean client: the runtime's Codec and transport Link on
+        uvloop, replies taken by a Link listener (no Service.call: no per-call future, timeout,
+        metrics or dispatch). It shows what the runtime's wire layer costs without the shell.
+
+The last table gives the runtime/raw ratios against the targets (<= 1.5x small, <= 1.1x 1 MiB):
+latency x = runtime p50 / raw p50, overhead x = raw msg/s / runtime msg/s.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ops.bench.table import print_table, write_json
+
+ROOT = Path(__file__).resolve().parents[2]
+HWM = 1000   # the runtime's default high-water mark, on every socket of the bench
+CELL_TIMEOUT_S = 60   # beyond the measurement itself: a silent server fails the bench, never hangs it
+RAW_LABEL = "raw (blocking pyzmq)"
+CLIENT_LABELS = {"raw": RAW_LABEL, "call": "runtime Service.call", "lean": "runtime lean (Codec+Link)"}
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    payload: int   # bytes of Echo.payload (inside the msgpack header)
+    tensor: int    # bytes of the tensor frame after the header (0: none)
+    window: int    # requests outstanding in the throughput test
+    target: float  # largest acceptable runtime/raw ratio
+
+
+SIZES = (Size("64B", 64, 0, 64, 1.5), Size("1MiB", 0, 1 << 20, 8, 1.1))
+TRANSPORTS = ("tcp", "ipc")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("wire", help="runtime vs raw pyzmq: latency and throughput, tcp and ipc")
+    parser.add_argument("--seconds", type=float, default=1.0, help="duration of each measurement (default 1)")
+    parser.add_argument("--json", metavar="FILE", help="also write every number to FILE")
+    parser.add_argument("--transport", choices=TRANSPORTS, action="append",
+                        help="measure only this transport (repeatable; default both)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.runtime.logs import configure_logging
+    if args.seconds <= 0:
+        print("epd bench wire: --seconds must be > 0", file=sys.stderr)
+        return 2
+    configure_logging("warning")
+    rows = measure(tuple(args.transport or TRANSPORTS), args.seconds)
+    ratios = compare(rows)
+    print_table(["transport", "size", "client", "p50 us", "p99 us", "msg/s", "window"],
+                [[r["transport"], r["size"], CLIENT_LABELS[r["client"]], r["p50_us"], r["p99_us"],
+                  r["msgs_per_s"], r["window"]] for r in rows],
+                title=f"\nepd bench wire: {args.seconds:g} s per measurement; baseline = {RAW_LABEL}: a plain "
+                      "blocking DEALER->ROUTER echo loop sending the runtime's own frames")
+    print_table(["transport", "size", "runtime client", "latency x", "overhead x", "target", "verdict"],
+                [[r["transport"], r["size"], CLIENT_LABELS[r["client"]], f"{r['latency_ratio']:.2f}x",
+                  f"{r['overhead']:.2f}x", f"<= {r['target']}x", _verdict(r)] for r in ratios],
+                title="\nruntime / raw  (latency x = p50 ratio, overhead x = raw msg/s / runtime msg/s)")
+    if args.json:
+        write_json(args.json, "wire", {
+            "seconds_per_measurement": args.seconds, "baseline": RAW_LABEL,
+            "clients": CLIENT_LABELS, "sizes": [s.__dict__ for s in SIZES],
+            "results": rows, "ratios": ratios})
+    return 0
+
+
+def _verdict(ratio: dict) -> str:
+    missed = [name for name in ("latency", "throughput") if not ratio[f"{name}_ok"]]
+    return "ok" if not missed else "MISS " + "+".join(missed)
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    raw = {(r["transport"], r["size"]): r for r in rows if r["client"] == "raw"}
+    targets = {s.name: s.target for s in SIZES}
+    ratios = []
+    for r in rows:
+        base = raw.get((r["transport"], r["size"]))
+        if r["client"] == "raw" or base is None:
+            continue
+        latency, overhead = r["p50_us"] / base["p50_us"], base["msgs_per_s"] / r["msgs_per_s"]
+        target = targets[r["size"]]
+        ratios.append({"transport": r["transport"], "size": r["size"], "client": r["client"],
+                       "latency_ratio": round(latency, 3), "overhead": round(overhead, 3), "target": target,
+                       "latency_ok": latency <= target, "throughput_ok": overhead <= target})
+    return ratios
+
+
+# ---- orchestration -----------------------------------------------------------------------
+def measure(transports: tuple[str, ...], seconds: float) -> list[dict]:
+    import uvloop
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp, Children(Path(tmp)) as children:
+        for transport in transports:
+            for size in SIZES:
+                address = _address(transport, tmp, f"raw-{size.name}")
+                server = children.start(f"raw-{transport}-{size.name}",
+                                        ["raw", address, "copy" if not size.tensor else "zerocopy"])
+                rows.append(_row(transport, size, "raw", raw_cell(address, size, seconds)))
+                children.stop(server)
+            address = _address(transport, tmp, "runtime")
+            server = children.start(f"runtime-{transport}", ["runtime", address])
+            cells = uvloop.run(runtime_cells(address, f"ipc://{tmp}/client-{transport}.sock", seconds))
+            rows += [_row(transport, size, client, cell) for client, size, cell in cells]
+            children.stop(server)
+    return rows
+
+
+def _row(transport: str, size: Size, client: str, cell: dict) -> dict:
+    return {"transport": transport, "size": size.name, "client": client, "window": size.window, **cell}
+
+
+def _address(transport: str, tmp: str, name: str) -> str:
+    if transport == "ipc":
+        return f"ipc://{tmp}/{name}.sock"
+    with socket.socket() as s:   # a free port now; the server binds it a moment later
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class Children:
+    """Echo servers started by this bench (`python -m ops.bench.wire serve ...`); all stopped on exit."""
+
+    def __init__(self, logdir: Path):
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "Children":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in list(self.procs):
+            self.stop(proc)
+
+    def start(self, name: str, argv: list[str], timeout_s: float = 60.0) -> subprocess.Popen:
+        log_path = self.logdir / f"{name}.log"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "ops.bench.wire", "serve", str(os.getpid()), *argv],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
+        self.procs.append(proc)
+        deadline = time.monotonic() + timeout_s
+        while b"service.ready" not in log_path.read_bytes():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                self.stop(proc)
+                tail = log_path.read_bytes()[-2000:].decode(errors="replace")
+                raise RuntimeError(f"echo server {name} did not start:\n{tail}")
+            time.sleep(0.02)
+        return proc
+
+    def stop(self, proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.remove(proc)
+
+
+# ---- what is measured --------------------------------------------------------------------
+def _message(size: Size):
+    import torch
+    from messages.control import Echo
+    buffers = [torch.full((size.tensor,), 7, dtype=torch.uint8)] if size.tensor else []
+    return Echo(payload=b"x" * size.payload), buffers
+
+
+def _summary(samples_ns: list[int], replies: int, elapsed_s: float) -> dict:
+    """Latency percentiles of the one-outstanding loop; throughput = replies completed in the window."""
+    s = sorted(samples_ns)
+    pick = lambda q: round(s[min(len(s) - 1, int(q * len(s)))] / 1e3, 2)   # noqa: E731
+    return {"p50_us": pick(0.50), "p99_us": pick(0.99), "mean_us": round(sum(s) / len(s) / 1e3, 2),
+            "latency_samples": len(s), "msgs_per_s": round(replies / elapsed_s, 1), "replies": replies}
+
+
+def _warmup_s(seconds: float) -> float:
+    return min(0.5, seconds / 4)
+
+
+def raw_cell(address: str, size: Size, seconds: float) -> dict:
+    """Blocking pyzmq DEALER: the same frames the runtime's Codec makes, encoded once."""
+    import zmq
+    from messages import Codec
+    message, buffers = _message(size)
+    frames = Codec("bench-raw").encode(message, buffers=buffers)
+    copy = not size.tensor   # pyzmq's choice for small frames; zero-copy for the tensor frame
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    for opt, value in ((zmq.SNDHWM, HWM), (zmq.RCVHWM, HWM), (zmq.LINGER, 0), (zmq.RCVTIMEO, CELL_TIMEOUT_S * 1000)):
+        sock.setsockopt(opt, value)
+    sock.connect(address)
+
+    def receive() -> None:
+        got = sock.recv_multipart(copy=copy)
+        if len(got) != len(frames) or (size.tensor and got[-1].buffer.nbytes != size.tensor):
+            raise RuntimeError("raw echo returned other frames than it was sent")
+
+    def roundtrip() -> None:
+        sock.send_multipart(frames, copy=copy)
+        receive()
+
+    clock = time.perf_counter_ns
+    try:
+        _latency_loop(roundtrip, _warmup_s(seconds))
+        samples = _latency_loop(roundtrip, seconds)
+        start = clock()
+        end = start + int(seconds * 1e9)
+        for _ in range(size.window):
+            sock.send_multipart(frames, copy=copy)
+        replies = 0
+        while True:
+            receive()
+            if clock() > end:
+                break
+            replies += 1
+            sock.send_multipart(frames, copy=copy)
+        for _ in range(size.window - 1):   # drain what is still outstanding
+            receive()
+    finally:
+        sock.close(0)
+        ctx.term()
+    return _summary(samples, replies, seconds)
+
+
+def _latency_loop(roundtrip, seconds: float) -> list[int]:
+    clock, samples = time.perf_counter_ns, []
+    end = clock() + int(seconds * 1e9)
+    while True:
+        t0 = clock()
+        roundtrip()
+        t1 = clock()
+        samples.append(t1 - t0)
+        if t1 >= end:
+            return samples
+
+
+async def runtime_cells(address: str, client_bind: str, seconds: float) -> list[tuple[str, Size, dict]]:
+    """Service.call from a client Service, then the lean client, against the echo Service."""
+    from services.runtime.config import ServiceConfig
+    from services.runtime.service import Service
+    from messages.control import ServiceState
+    client = Service(ServiceConfig(kind="echo", instance="bench-client", bind=client_bind))
+    runner = asyncio.get_running_loop().create_task(client.run(install_signals=False))
+    while client.state != ServiceState.RUNNING:
+        if runner.done():
+            raise RuntimeError(f"bench client service did not start (exit {runner.result()})")
+        await asyncio.sleep(0.01)
+    cells = []
+    try:
+        limit = CELL_TIMEOUT_S + 4 * seconds
+        for size in SIZES:
+            cells.append(("call", size, await asyncio.wait_for(_call_cell(client, address, size, seconds), limit)))
+        for size in SIZES:
+            cells.append(("lean", size, await asyncio.wait_for(_lean_cell(address, size, seconds), limit)))
+    finally:
+        client.stop()
+        await runner
+    return cells
+
+
+def _check_reply(envelope, size: Size) -> None:
+    if size.tensor:
+        if envelope.tensor(0).numel() != size.tensor:
+            raise RuntimeError("echo returned another tensor than it was sent")
+    elif len(envelope.message.payload) != size.payload:
+        raise RuntimeError("echo returned another payload than it was sent")
+
+
+async def _call_cell(client, address: str, size: Size, seconds: float) -> dict:
+    message, buffers = _message(size)
+
+    async def roundtrip() -> None:
+        _check_reply(await client.call(address, message, buffers=buffers), size)
+
+    await _async_latency_loop(roundtrip, _warmup_s(seconds))
+    samples = await _async_latency_loop(roundtrip, seconds)
+    clock, replies = time.perf_counter_ns, 0
+    end = clock() + int(seconds * 1e9)
+
+    async def caller() -> None:
+        nonlocal replies
+        while True:
+            await roundtrip()
+            if clock() > end:
+                return
+            replies += 1
+
+    await asyncio.gather(*(caller() for _ in range(size.window)))
+    return _summary(samples, replies, seconds)
+
+
+async def _async_latency_loop(roundtrip, seconds: float) -> list[int]:
+    clock, samples = time.perf_counter_ns, []
+    end = clock() + int(seconds * 1e9)
+    while True:
+        t0 = clock()
+        await roundtrip()
+        t1 = clock()
+        samples.append(t1 - t0)
+        if t1 >= end:
+            return samples
+
+
+async def _lean_cell(address: str, size: Size, seconds: float) -> dict:
+    """The runtime's Codec and Link without Service: encode, send; the Link's listener decodes each
+    reply, matches it to a request sent and checks it (no per-call future or timeout, no metrics)."""
+    import zmq
+    from messages import Codec
+    from messages.envelope import new_msg_id
+    from services.runtime.transport import Link
+    message, buffers = _message(size)
+    codec = Codec("bench-lean")
+    ctx = zmq.Context()
+    link = Link(ctx, address, HWM)
+    loop, clock = asyncio.get_running_loop(), time.perf_counter_ns
+    pending: set[str] = set()
+    run = {"waiter": None, "pipelined": False, "end": 0, "replies": 0}
+
+    def send() -> None:
+        msg_id = new_msg_id()
+        link.send(codec.encode(message, buffers=buffers, msg_id=msg_id))
+        pending.add(msg_id)
+
+    def on_reply(frames: list) -> None:
+        waiter = run["waiter"]
+        try:
+            envelope = codec.decode(frames)
+            pending.remove(envelope.header.in_reply_to)   # KeyError: a reply to nothing we sent
+            _check_reply(envelope, size)
+            if run["pipelined"]:   # one reply in, one request out, until the end; then drain
+                if clock() <= run["end"]:
+                    run["replies"] += 1
+                    send()
+                    return
+                if pending:
+                    return
+            waiter.set_result(None)
+        except Exception as exc:
+            if not waiter.done():
+                waiter.set_exception(exc)
+
+    async def roundtrip() -> None:
+        run["waiter"] = loop.create_future()
+        send()
+        await run["waiter"]
+
+    link.listen(on_reply)
+    try:
+        await _async_latency_loop(roundtrip, _warmup_s(seconds))
+        samples = await _async_latency_loop(roundtrip, seconds)
+        run.update(waiter=loop.create_future(), pipelined=True, end=clock() + int(seconds * 1e9))
+        for _ in range(size.window):
+            send()
+        await run["waiter"]
+    finally:
+        link.close(0)
+        ctx.term()
+    return _summary(samples, run["replies"], seconds)
+
+
+# ---- the echo servers (child processes) --------------------------------------------------
+def serve(argv: list[str]) -> int:
+    """`serve PARENT_PID raw ADDRESS copy|zerocopy` or `serve PARENT_PID runtime ADDRESS`."""
+    parent, kind, address, *rest = argv
+    _die_with(int(parent))
+    if kind == "runtime":   # exactly `python -m services.runtime.main echo` (uvloop, the default config)
+        from services.runtime.main import main
+        return main(["echo", "--instance", f"bench-echo-{os.getpid()}", "--bind", address])
+    return raw_echo(address, copy=rest == ["copy"])
+
+
+def raw_echo(address: str, copy: bool) -> int:
+    """ROUTER echo in a plain blocking loop: every message goes back as it came."""
+    import zmq
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    for opt, value in ((zmq.SNDHWM, HWM), (zmq.RCVHWM, HWM), (zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1)):
+        sock.setsockopt(opt, value)
+    sock.bind(address)
+    print("service.ready", flush=True)
+    while True:
+        sock.send_multipart(sock.recv_multipart(copy=copy), copy=copy)
+
+
+def _die_with(parent_pid: int) -> None:
+    """Linux: SIGKILL this process when the bench that started it dies, so no server outlives it."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["serve"]:
+        sys.exit("usage: python -m ops.bench.wire serve PARENT_PID (raw ADDRESS copy|zerocopy | runtime ADDRESS)")
+    sys.exit(serve(sys.argv[2:]))
