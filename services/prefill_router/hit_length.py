@@ -1,0 +1,50 @@
+"""How much of a prompt a prefill worker loads instead of computing (SYSTEM.md, Numbers: hit length).
+
+L1 is the block-KV hit from the KV writer's index (a multiple of 128). The sliding-window state
+is needed at the boundary where prefill resumes, so:
+  1. the usable boundary is min(L1, cap), cap = L - 134 rounded down to a block boundary
+     (128 SWA window + 6 tokens of speculative rollback slack), and never below 0;
+  2. if the SWA registry holds the window [probe - 128, probe] at that boundary (the "probe"),
+     the hit is the probe; otherwise the worker backs off one block and recomputes it
+     (bounded replay needs no earlier window): hit = probe - 128.
+The SWA lookup therefore asks for the hash of the block ending at the probe, which is L1 itself
+unless the cap cut L1 down. All functions are pure; bad input raises ValueError.
+"""
+from __future__ import annotations
+
+BLOCK_TOKENS = 128       # seeds: block KV pages of 128 tokens
+SWA_WINDOW = 128         # seeds: the SWA window covers the last 128 tokens
+ROLLBACK_SLACK = 6       # SYSTEM.md: L - 134 = 128 window + 6 tokens of speculative rollback
+
+
+def _check(prompt_len: int, kv_hit_tokens: int = 0) -> None:
+    if prompt_len < 0 or kv_hit_tokens < 0:
+        raise ValueError(f"lengths must be >= 0 (prompt {prompt_len}, kv hit {kv_hit_tokens})")
+
+
+def hit_cap(prompt_len: int) -> int:
+    """The largest hit any prompt of this length may use: L - 134 rounded down to a block, >= 0."""
+    _check(prompt_len)
+    return max(0, prompt_len - SWA_WINDOW - ROLLBACK_SLACK) // BLOCK_TOKENS * BLOCK_TOKENS
+
+
+def swa_probe(prompt_len: int, kv_hit_tokens: int) -> int:
+    """The block boundary whose SWA window decides the hit: L1 (rounded down to a block) capped
+    by `hit_cap`. 0 means there is nothing to load and nothing to look up."""
+    _check(prompt_len, kv_hit_tokens)
+    return min(kv_hit_tokens // BLOCK_TOKENS * BLOCK_TOKENS, hit_cap(prompt_len))
+
+
+def hit_length(prompt_len: int, kv_hit_tokens: int, swa_at_probe: bool) -> int:
+    """Tokens to load: the probe when its SWA window is registered, else one block less."""
+    probe = swa_probe(prompt_len, kv_hit_tokens)
+    if probe == 0 or swa_at_probe:
+        return probe
+    return probe - BLOCK_TOKENS
+
+
+def probe_hash_index(probe: int) -> int:
+    """Index in the request's block hash chain of the hash that names the prefix ending at `probe`."""
+    if probe <= 0 or probe % BLOCK_TOKENS:
+        raise ValueError(f"probe {probe} is not a positive block boundary")
+    return probe // BLOCK_TOKENS - 1
