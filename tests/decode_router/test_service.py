@@ -15,6 +15,7 @@ from services.catalog import resolve
 from services.decode_router.service import DecodeRouterService
 from services.runtime.config import ServiceConfig
 from services.runtime.service import Service
+from tests.helpers.test_helper_async import eventually
 
 FAST = {"heartbeat_s": 0.05, "dead_after": 3}
 
@@ -42,14 +43,6 @@ class TestHelperDecodeWorker(Service):
 
     def load(self) -> Load:
         return self.fixed_load
-
-
-async def eventually(predicate, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        await asyncio.sleep(0.01)
 
 
 class Running:

@@ -14,20 +14,13 @@ from messages.swa_registry import SwaAck, SwaLookup, SwaLookupReply, SwaRegister
 from services.runtime.config import ServiceConfig
 from services.runtime.service import Service
 from services.swa_registry.service import SwaRegistryService
+from tests.helpers.test_helper_async import eventually
 
 W1, W2 = "tcp://worker-1:6000", "tcp://worker-2:6000"
 
 
 def h(i: int) -> bytes:
     return i.to_bytes(32, "big")
-
-
-async def eventually(predicate, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        await asyncio.sleep(0.01)
 
 
 @asynccontextmanager
