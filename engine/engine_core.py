@@ -3,6 +3,13 @@
 EngineCore is synchronous and single-threaded: each `step` schedules one batch (decode tokens and
 prefill chunks), runs one forward, samples, and returns the outputs of the requests that got a
 token or finished. Between steps callers may add, abort, snapshot, restore, export blocks.
+
+E/P/D roles on top of that:
+- prefill worker: `import_prefix` (pages from the KV store + the window/tails at the hit boundary
+  from the SWA registry holder), `add_request(..., prefill_only=True)`: the first token comes out
+  with `prefilled=True` and the request is held until `snapshot` + `release`.
+- decode worker: `restore` (snapshot + the first token as generated_ids) continues the request;
+  its full blocks enter the prefix cache; `export_boundary_state` serves saved windows to peers.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch
 from engine.kv.manager import KVCache
 from engine.model_identity import model_identity
 from engine.kv.prefix_hash import BLOCK_SIZE
-from engine.kv.snapshot import make_snapshot, parse_snapshot
+from engine.kv.snapshot import make_boundary_snapshot, make_snapshot, parse_boundary_snapshot, parse_snapshot
 from engine.model.loader import DTYPES, load_model
 from engine.runner import ModelRunner
 from engine.sampling import make_generator, validate_sampling_params
@@ -77,6 +84,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]]
     num_prompt_tokens: int
     num_cached_tokens: int
+    prefilled: bool = False  # prefill-only request: first token out, state held for snapshot + release
 
 
 @dataclass(slots=True)
@@ -90,6 +98,7 @@ class EngineStats:
     prefix_hit_tokens_total: int
     pages_cached: int = 0  # unreferenced pages holding cached prefix blocks (evictable)
     swa_states_cached: int = 0  # saved boundary states (window + tails) in host memory
+    num_held: int = 0  # prefill-only requests holding their state until snapshot + release
 
 
 class EngineCore:
@@ -109,13 +118,18 @@ class EngineCore:
         self._finished_hashes: OrderedDict[str, list[bytes]] = OrderedDict()  # for completed_blocks
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(self, request: EngineRequest) -> None:
+    def add_request(self, request: EngineRequest, prefill_only: bool = False) -> None:
+        """Queue a request. `prefill_only`: prefill the prompt (chunked as usual), sample the first
+        token and emit it (finish_reason None, prefilled=True), then hold the state, unscheduled,
+        until `snapshot` and `release` (or `abort`). A first token that finishes the request (EOS,
+        a stop token, max_tokens=1) finishes it as usual: nothing is held."""
         seq = self._new_sequence(request, ())
+        seq.prefill_only = bool(prefill_only)
         self.scheduler.add(seq)
         self.requests[seq.request_id] = seq
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its pages; False if it is not (or no longer) here."""
+        """Stop a request (held ones too) and free its pages; False if it is not (or no longer) here."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
@@ -123,7 +137,22 @@ class EngineCore:
         seq.finish_reason = FinishReason.ABORT
         return True
 
+    def release(self, request_id: str) -> bool:
+        """Free a held prefill-only request after its hand-off: window slot and page references
+        (its full blocks stay in the prefix cache). False if it is not here; ValueError if it is
+        here but not held (still prefilling: use abort)."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        if seq.status != SequenceStatus.HELD:
+            raise ValueError(f"request {request_id!r} is not held (prefill not done, or not prefill-only)")
+        del self.requests[request_id]
+        self.scheduler.remove(seq)
+        self._remember_finished(seq)
+        return True
+
     def has_unfinished(self) -> bool:
+        """Whether `step` has work; held requests wait for the caller, not for a step."""
         return not self.scheduler.is_finished()
 
     def request_ids(self) -> list[str]:
@@ -148,12 +177,15 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             pages_total=blocks.num_pages, pages_free=blocks.num_free, kv_usage=blocks.num_used / blocks.num_pages,
             num_preemptions=self.scheduler.num_preemptions, prefix_hit_tokens_total=self.scheduler.prefix_hit_tokens,
-            pages_cached=blocks.num_cached, swa_states_cached=len(self.kv.boundaries))
+            pages_cached=blocks.num_cached, swa_states_cached=len(self.kv.boundaries),
+            num_held=len(self.scheduler.held))
 
     # ---- state movement ---------------------------------------------------------------------
     def snapshot(self, request_id: str) -> tuple[KVSnapshot, list[torch.Tensor]]:
-        """The running request's state as it stands (header + contiguous CPU buffers). At a 128-token
-        boundary the tails hold only the CSA overlaps; elsewhere the last page is partial."""
+        """The running (or held) request's state as it stands (header + contiguous CPU buffers). At a
+        128-token boundary the tails hold only the CSA overlaps; elsewhere the last page is partial.
+        A held prefill-only request's snapshot covers its prompt; restore it with the first token
+        as generated_ids."""
         return make_snapshot(self.kv, self._running(request_id))
 
     def restore(self, request: EngineRequest, snapshot: KVSnapshot, buffers: Seq[torch.Tensor],
@@ -169,6 +201,52 @@ class EngineCore:
         seq.num_cached_tokens = snapshot.num_cached_tokens
         self.scheduler.add(seq)
         self.requests[seq.request_id] = seq
+
+    def import_prefix(self, block_hashes: Seq[bytes], pages: Seq[Seq[torch.Tensor]],
+                      boundary_state: tuple[KVSnapshot, Seq[torch.Tensor]] | None = None) -> int:
+        """Put a prefix computed elsewhere into the prefix cache: `pages[i]` is block i's page as
+        `completed_blocks` exports it ([one flat tensor of page_numel], this engine's dtype), for the
+        chain `block_hashes`. The pages go in unreferenced (cached, evictable; blocks already here
+        are kept). `boundary_state` (header + [window, tails], as `export_boundary_state` gives it)
+        is the window + tails at one of the chain's block boundaries, normally the last block's end;
+        pages alone are no usable hit, so without it a request hits only up to a boundary whose
+        state this engine already has (0 in a fresh engine).
+        Returns the prefix tokens now usable as a hit by a request extending the chain (the cached
+        leading blocks, cut back to the last boundary with a saved state); 0 when the prefix cache
+        is off. All inputs are checked before anything changes."""
+        hashes = list(block_hashes)
+        if len(pages) != len(hashes):
+            raise ValueError(f"{len(hashes)} block hashes but {len(pages)} pages")
+        if any(not isinstance(h, bytes) or not h for h in hashes):
+            raise ValueError("block hashes must be non-empty bytes")
+        numel, dtype = self.kv.layout.page_numel, self.kv.pool.pages.dtype
+        flat = []
+        for i, block in enumerate(pages):
+            tensors = [block] if isinstance(block, torch.Tensor) else list(block)
+            if len(tensors) != 1:
+                raise ValueError(f"block {i}: expected one page tensor, got {len(tensors)}")
+            page = torch.as_tensor(tensors[0])
+            if page.numel() != numel or page.dtype != dtype:
+                raise ValueError(f"block {i}: page is {page.dtype}{list(page.shape)}, expected {dtype}[{numel}]")
+            flat.append(page)
+        boundary = None
+        if boundary_state is not None:
+            header, buffers = boundary_state
+            boundary = parse_boundary_snapshot(self.kv, self.model_id, header, buffers, hashes)
+        if not self.config.enable_prefix_cache:
+            return 0
+        self.kv.import_blocks(hashes, flat)
+        if boundary is not None:
+            self.kv.save_boundary(hashes[boundary.num_tokens // BLOCK_SIZE - 1], boundary)
+        return self.kv.usable_prefix(hashes)
+
+    def export_boundary_state(self, block_hash: bytes) -> tuple[KVSnapshot, list[torch.Tensor]] | None:
+        """The window + tails saved at the end of block `block_hash` (header + contiguous CPU copies,
+        for a peer's `import_prefix`), or None if this engine holds no such state."""
+        state = self.kv.boundaries.get(block_hash)
+        if state is None:
+            return None
+        return make_boundary_snapshot(self.kv, self.model_id, block_hash, state)
 
     def completed_blocks(self, request_id: str, first_block: int = 0) -> list[tuple[bytes, list[torch.Tensor]]]:
         """(chain hash, [page as a flat CPU tensor]) for each full computed block from `first_block`
@@ -218,17 +296,22 @@ class EngineCore:
         seq = self.requests.get(request_id)
         if seq is None:
             raise ValueError(f"unknown request {request_id!r}")
-        if seq.status != SequenceStatus.RUNNING or seq.state is None:
+        if seq.status not in (SequenceStatus.RUNNING, SequenceStatus.HELD) or seq.state is None:
             raise ValueError(f"request {request_id!r} is waiting (not admitted, or preempted): no state to snapshot")
         return seq
 
     def _output(self, seq: Sequence) -> RequestOutput:
         out = RequestOutput(seq.request_id, seq.new_token_ids, seq.finish_reason, seq.new_logprobs,
-                            seq.new_top_logprobs, seq.num_prompt_tokens, seq.num_cached_tokens)
+                            seq.new_top_logprobs, seq.num_prompt_tokens, seq.num_cached_tokens,
+                            seq.status == SequenceStatus.HELD)
         seq.new_token_ids, seq.new_logprobs, seq.new_top_logprobs = [], [], []
         if seq.finish_reason is not None:
             del self.requests[seq.request_id]
-            self._finished_hashes[seq.request_id] = seq.block_hashes
-            while len(self._finished_hashes) > 4 * self.config.max_num_seqs:
-                self._finished_hashes.popitem(last=False)
+            self._remember_finished(seq)
         return out
+
+    def _remember_finished(self, seq: Sequence) -> None:
+        """Keep a gone request's hash chain so `completed_blocks` can still serve its cached blocks."""
+        self._finished_hashes[seq.request_id] = seq.block_hashes
+        while len(self._finished_hashes) > 4 * self.config.max_num_seqs:
+            self._finished_hashes.popitem(last=False)

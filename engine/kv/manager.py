@@ -123,6 +123,47 @@ class KVCache:
         for boundary in state.take_captures():
             self.boundaries.put(seq.block_hashes[boundary.num_tokens // self.block_size - 1], boundary)
 
+    # ---- import (a prefix computed elsewhere) -------------------------------------------------
+    def import_blocks(self, hashes: list[bytes], pages: list[torch.Tensor]) -> int:
+        """Index the chain `hashes` (block i's page data `pages[i]`, flat) as cached, unreferenced
+        pages. Blocks already indexed are kept as they are; allocation may evict other cached blocks
+        (never this chain's). Returns how many leading blocks of the chain are indexed afterwards
+        (fewer than asked when the pool cannot hold them all)."""
+        if not self.enable_prefix_cache or not hashes:
+            return 0
+        present = {i: self.blocks.hash_to_page[h] for i, h in enumerate(hashes) if h in self.blocks.hash_to_page}
+        self.blocks.share(present.values())  # pinned: the allocation below must not evict them
+        missing = [i for i in range(len(hashes)) if i not in present]
+        count = min(len(missing), len(self.blocks.free) + len(self.blocks.cached))
+        chosen, new_pages = missing[:count], self._allocate(count) if count else []
+        if new_pages:
+            self.pool.write_pages(new_pages, torch.stack([pages[i].reshape(-1) for i in chosen]))
+            for i, page in zip(chosen, new_pages):
+                self.blocks.register(page, hashes[i])
+        refs = present | dict(zip(chosen, new_pages))
+        leading = next((i for i in range(len(hashes)) if i not in refs), len(hashes))
+        # drop the pins and allocation references in chain order, so the chain's tail is evicted first
+        self.blocks.deallocate([refs[i] for i in sorted(refs)])
+        return leading
+
+    def save_boundary(self, block_hash: bytes, state: BoundaryState) -> bool:
+        """Keep a boundary state from outside for an indexed block; False if the block is not indexed
+        (a state without its pages is no usable hit) or the state does not fit the budget."""
+        if not self.enable_prefix_cache or block_hash not in self.blocks.hash_to_page:
+            return False
+        self.boundaries.put(block_hash, state)
+        return block_hash in self.boundaries
+
+    def usable_prefix(self, hashes: list[bytes]) -> int:
+        """Tokens of the prefix `hashes` a request extending it would take from the cache: the cached
+        pages cut back to the last boundary with a saved state (find_hit's rule)."""
+        if not self.enable_prefix_cache:
+            return 0
+        for count in range(len(self.blocks.lookup(hashes)), 0, -1):
+            if hashes[count - 1] in self.boundaries:
+                return count * self.block_size
+        return 0
+
     # ---- export -----------------------------------------------------------------------------
     def read_pages(self, seq, count: int) -> torch.Tensor:
         """The sequence's first `count` pages as one CPU tensor [count, page_numel]."""

@@ -8,6 +8,10 @@ the newest running sequence is preempted: its state is freed and it goes back to
 sequences are admitted in arrival order while budget, slots and pages last, and not in a step
 that preempted.
 
+Prefill-only sequences (the P of an E/P/D split) leave `running` once their first token is
+sampled: they are HELD (state and pages kept, never scheduled or preempted) until the engine
+snapshots and releases them, or aborts them.
+
 Batch-invariant mode fixes each sequence's chunks independently of the batch: prefill chunks
 end on the 128-token grid (a chunk waits for a step with room rather than being cut short).
 """
@@ -32,6 +36,7 @@ class Scheduler:
         self.batch_invariant = batch_invariant
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: dict[str, Sequence] = {}  # prefill-only sequences waiting for hand-off
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
 
@@ -42,9 +47,11 @@ class Scheduler:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop an unfinished sequence (abort) and free its KV."""
+        """Drop an unfinished or held sequence (abort, release) and free its KV."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status == SequenceStatus.HELD:
+            del self.held[seq.request_id]
         else:
             self.waiting.remove(seq)
         self.kv.release(seq)
@@ -105,7 +112,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def postprocess(self, seq: Sequence, token_id: int, logprob=None, top=None) -> None:
-        """Append a sampled token; finish the sequence (and free its KV) on a stop condition."""
+        """Append a sampled token; finish the sequence (and free its KV) on a stop condition;
+        otherwise hold a prefill-only sequence (its KV stays) instead of decoding on."""
         seq.append(token_id, logprob, top)
         reason = self._stop_reason(seq, token_id)
         if reason is not None:
@@ -113,6 +121,10 @@ class Scheduler:
             self.running.remove(seq)
             self.kv.release(seq)
             seq.status = SequenceStatus.FINISHED
+        elif seq.prefill_only:
+            self.running.remove(seq)
+            seq.status = SequenceStatus.HELD
+            self.held[seq.request_id] = seq
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.sampling

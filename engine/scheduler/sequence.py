@@ -17,6 +17,7 @@ class SequenceStatus(IntEnum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+    HELD = 3  # prefill-only: first token out, state kept (not scheduled) until snapshot + release
 
 
 @dataclass(slots=True, eq=False)
@@ -28,6 +29,7 @@ class Sequence:
     model_id: str
     arrival_time: float = 0.0
     generator: torch.Generator | None = None
+    prefill_only: bool = False  # hold after the first sampled token instead of decoding on
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens whose KV the state holds
     num_cached_tokens: int = 0  # tokens taken from the prefix cache (or a hand-off) on first admission
