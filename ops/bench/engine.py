@@ -11,11 +11,14 @@ One run, one process, one set of weights:
            (continuous batching, --max-batched-tokens per step), which gives prefill tokens/s at
            B x C; then warm-up steps, then timed steps where every step decodes one token for each
            of the B sequences (`EngineCore.step`, sampling and host round trip included).
-  HF       transformers' DeepseekV4ForCausalLM built on the meta device and given the very same
-           tensors (load_state_dict(assign=True): shared storage; the few small parameters whose dtype
-           differs from what `from_pretrained` keeps are copied). Eager attention, its own cache:
-           one forward over the B x C prompts (prefill tokens/s), then decode steps (argmax).
-           Out-of-memory is caught and reported as OOM.
+  HF       transformers' DeepseekV4ForCausalLM built with its parameters on the meta device and given
+           the very same tensors (load_state_dict(assign=True): shared storage; a parameter whose dtype
+           differs from what `from_pretrained` keeps would be copied). Where its RMSNorm cannot take
+           fp32 weights in a bf16 model (transformers 5.17: `from_pretrained` fails the same way), its
+           norm weights are cast to the model dtype (copies, kilobytes); the JSON says so. Eager
+           attention, its own cache: one forward over the B x C prompts (prefill tokens/s), then decode
+           steps (argmax, tokens to the host). Out-of-memory is caught and reported as OOM. Before the
+           timings both models run one prompt and the JSON records how far their logits agree.
   floor    decode: bytes a step must read / the device copy rate measured here (a large tensor copy,
            read + write counted): dense weights + the expected distinct routed experts touched by
            B tokens in every MoE layer (N * (1 - (1 - k/N)^B)) + the block KV and SWA windows of the
@@ -33,7 +36,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import re
 import sys
 import tempfile
@@ -42,13 +44,12 @@ import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from ops.bench.table import format_table, print_table, write_json
+from ops.bench.table import print_table, write_json
 
 FULL = {"batches": (1, 8, 64), "contexts": (2048, 8192), "warmup": 2, "steps": 6}
-QUICK = {"batches": (1, 4), "contexts": (256, 512), "warmup": 1, "steps": 2}
-WARMUP_PROMPT = 300          # tokens of the warm-up request (crosses two 128-token blocks)
+QUICK = {"batches": (1, 2), "contexts": (128, 256), "warmup": 1, "steps": 2}
+GRACE_S = 60.0               # a measurement still running this long past --budget-s is cut short
 ACTIVATION_RESERVE = 24 << 30  # device bytes kept free for activations when sizing the page pool
 AGREEMENT_PROMPT = 256       # tokens of the prompt both models run to check they share weights
 
@@ -70,10 +71,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="do not build or run the transformers reference")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
     parser.add_argument("--steps", type=int, help="timed decode steps per cell (default 6; 2 with --quick)")
+    parser.add_argument("--batches", type=_int_list, help="batch sizes, comma-separated (default 1,8,64)")
+    parser.add_argument("--contexts", type=_int_list, help="context lengths, comma-separated (default 2048,8192)")
     parser.add_argument("--max-batched-tokens", type=int, default=8192,
                         help="engine tokens per step while prefilling (default 8192)")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="skip measurements that would end the run later than this (default 450 s)")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    values = tuple(int(v) for v in text.split(",") if v.strip())
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
 
 
 # ---- plan ----------------------------------------------------------------------------------------
@@ -81,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Cell:
     batch: int
     context: int
+
+
+class OutOfTime(Exception):
+    pass
 
 
 @dataclass
@@ -94,6 +108,10 @@ class Run:
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
+
+    def check_deadline(self, where: str) -> None:
+        if self.elapsed() > self.args.budget_s + GRACE_S:
+            raise OutOfTime(f"cut: past the time budget + {GRACE_S:.0f} s ({where})")
 
     def log(self, text: str) -> None:
         print(f"[{self.elapsed():7.1f}s] {text}", flush=True)
@@ -117,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
             print("epd bench engine: --steps must be >= 1", file=sys.stderr)
             return 2
         plan["steps"] = args.steps
+    for name in ("batches", "contexts"):
+        if getattr(args, name, None):
+            plan[name] = tuple(getattr(args, name))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("epd bench engine: CUDA is not available here (try --device cpu --config tiny)", file=sys.stderr)
@@ -155,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         ours = Ours(bench, model, model_dir, device, plan, cells, args.max_batched_tokens, prompts)
         big = max(cells, key=lambda c: c.batch * c.context)
         ours.measure([c for c in cells if c != big])
+        _free(device)
         if not args.skip_hf:
             HF(bench, model, raw, config, device, dtype, plan, prompts).measure(cells)
         _free(device)
@@ -332,10 +354,11 @@ class Ours:
     def __init__(self, bench: Run, model, model_dir: Path, device, plan: dict, cells: list[Cell],
                  max_batched_tokens: int, prompts: Prompts):
         self.bench, self.model, self.device, self.plan, self.prompts = bench, model, device, plan, prompts
-        self.generated = plan["warmup"] + plan["steps"] + 4
+        self.max_batched_tokens = max_batched_tokens
         max_batch = max(c.batch for c in cells)
-        pages_per_seq = -(-(max(c.context for c in cells) + self.generated) // 128)
-        wanted = max_batch * pages_per_seq + 8
+        if max_batched_tokens <= max_batch:
+            raise ValueError(f"--max-batched-tokens must exceed the largest batch ({max_batch})")
+        wanted = max(self._pages(c) for c in cells) + 8
         self.num_pages, self.pool_note = _fit_pages(model, device, wanted)
         self.engine = build_engine(model, model_dir, device, num_pages=self.num_pages, max_num_seqs=max_batch,
                                    max_batched_tokens=max_batched_tokens)
@@ -346,14 +369,24 @@ class Ours:
         self.step_s: dict[int, float] = {}
         self._warm_up()
 
+    def _max_tokens(self, cell: Cell) -> int:
+        """Tokens a request may generate: the first sequences in decode while the last still prefill
+        (each fill step feeds at most max_batched_tokens - batch prompt tokens), then the measured steps."""
+        fill_steps = -(-cell.batch * cell.context // (self.max_batched_tokens - cell.batch)) + cell.batch
+        return fill_steps + self.plan["warmup"] + self.plan["steps"] + 8
+
+    def _pages(self, cell: Cell) -> int:
+        return cell.batch * -(-(cell.context + self._max_tokens(cell)) // 128)
+
     def _warm_up(self) -> None:
+        """One request of the smallest context: first-call costs (kernels, allocator) out of the cells."""
         start = time.monotonic()
-        cell = Cell(1, WARMUP_PROMPT)
+        cell = Cell(1, min(self.plan["contexts"]))
         self._add(cell, salt=1, max_tokens=3)
         while self.engine.has_unfinished():
             self.engine.step()
         _sync(self.device)
-        self.prefill_rate = WARMUP_PROMPT / (time.monotonic() - start)
+        self.prefill_rate = cell.context / (time.monotonic() - start)
         self.bench.log(f"ours: engine ready ({self.num_pages} pages), warm-up {time.monotonic() - start:.1f} s")
 
     def _add(self, cell: Cell, salt: int, max_tokens: int) -> list[str]:
@@ -369,7 +402,7 @@ class Ours:
     def measure(self, cells: list[Cell]) -> None:
         for cell in cells:
             row = {"impl": "ours", "batch": cell.batch, "context": cell.context}
-            pages = cell.batch * -(-(cell.context + self.generated) // 128)
+            pages = self._pages(cell)
             if pages > self.num_pages:
                 row["status"] = f"pool too small ({pages} pages needed, {self.num_pages} held: {self.pool_note})"
             else:
@@ -377,7 +410,12 @@ class Ours:
                 if self.bench.elapsed() + estimate > self.bench.args.budget_s:
                     row["status"] = f"skipped: time budget (needs ~{estimate:.0f} s)"
                 else:
-                    row.update(self._cell(cell))
+                    try:
+                        row.update(self._cell(cell))
+                    except OutOfTime as exc:
+                        row["status"] = str(exc)
+                        for rid in self.engine.request_ids():
+                            self.engine.abort(rid)
             self.bench.add(row)
             self.bench.log(_describe(row))
 
@@ -392,11 +430,12 @@ class Ours:
         engine, device = self.engine, self.device
         _reset_peak(device)
         preemptions = engine.stats().num_preemptions
-        ids = self._add(cell, salt=0, max_tokens=self.generated)
+        ids = self._add(cell, salt=0, max_tokens=self._max_tokens(cell))
         started = set()
         start = time.perf_counter()
         prefill_steps = 0
         while len(started) < cell.batch:
+            self.bench.check_deadline(f"prefill, {len(started)} of {cell.batch} sequences done")
             for out in engine.step():
                 if out.new_token_ids:
                     started.add(out.request_id)
@@ -405,6 +444,7 @@ class Ours:
         self.prefill_rate = cell.batch * cell.context / fill_s
         times = []
         for _ in range(self.plan["warmup"] + self.plan["steps"]):
+            self.bench.check_deadline(f"decode, after {len(times)} steps")
             t = time.perf_counter()
             outs = engine.step()
             times.append(time.perf_counter() - t)
@@ -477,12 +517,15 @@ def profile_step(engine, device) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        engine.step()
-        _sync(device)
-    wall = time.perf_counter() - start
-    events = prof.key_averages()
+    try:
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            engine.step()
+            _sync(device)
+        wall = time.perf_counter() - start
+        events = prof.key_averages()
+    except Exception as exc:  # noqa: BLE001 - a profiler that cannot start costs the profile, not the cell
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
     if device.type == "cuda":
         key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     else:
@@ -508,9 +551,18 @@ class HF:
         self.cache_kw = _cache_keyword(self.model)
         self.prefill_rate = None
         self.step_s: dict[int, float] = {}
-        self._agreement()
+        result = self._agreement()
+        if "dtype" in result.get("error", ""):
+            # transformers 5.17's RMSNorm multiplies an fp32 weight into the activation and returns fp32,
+            # which its next bf16 projection rejects (`from_pretrained` in bf16 fails the same way; 5.24
+            # fixed it). Give its norms weights in the model dtype (copies, kilobytes) and check again.
+            names = _cast_norms(self.model, dtype)
+            sharing.update(norms_cast_to=str(dtype).removeprefix("torch."), norms_cast=len(names),
+                           norms_cast_why=result["error"][:200])
+            bench.log(f"HF: {result['error'][:120]}; its {len(names)} RMSNorm weights cast to {dtype}, retrying")
+            self._agreement()
 
-    def _agreement(self) -> None:
+    def _agreement(self) -> dict:
         """Last-token logits of one prompt from both models: they must be the same weights."""
         import torch
         prompt = self.prompts.batch(Cell(1, AGREEMENT_PROMPT), salt=2).to(self.device)
@@ -529,6 +581,7 @@ class HF:
             result = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         self.bench.doc["agreement"] = result
         self.bench.log(f"HF vs ours on one {AGREEMENT_PROMPT}-token prompt: {result}")
+        return result
 
     def measure(self, cells: list[Cell]) -> None:
         for cell in cells:
@@ -561,7 +614,8 @@ class HF:
         scores = cell.batch * config.num_heads * cell.context * (cell.context + cell.context // 4) * 4 * 3
         available = _host_available()
         if available is not None and scores > 0.5 * available:
-            return f"OOM (not run: eager attention needs ~{scores / 2**30:.0f} GiB, {available / 2**30:.0f} GiB free)"
+            return (f"not run (RAM): its eager attention scores alone need ~{scores / 2**30:.0f} GiB, "
+                    f"{available / 2**30:.0f} GiB free")
         return None
 
     def _guarded(self, cell: Cell) -> dict:
@@ -660,6 +714,18 @@ def hf_model_sharing(model, raw: dict, config, device, dtype):
     return hf.eval(), stats
 
 
+def _cast_norms(hf, dtype) -> list[str]:
+    import torch
+    from torch import nn
+    names = []
+    for name, module in hf.named_modules():
+        weight = getattr(module, "weight", None)
+        if type(module).__name__.endswith("RMSNorm") and isinstance(weight, nn.Parameter) and weight.dtype != dtype:
+            module.weight = nn.Parameter(weight.detach().to(dtype), requires_grad=False)
+            names.append(name)
+    return names
+
+
 @contextmanager
 def _parameters_on_meta():
     """Parameters created inside go to the meta device as they are registered (no memory, no init
@@ -730,8 +796,12 @@ def summarize(rows: list[dict], floors: list[dict], cells: list[Cell], plan: dic
 def _value(row: dict | None, key: str):
     if row is None:
         return "not run"
-    if row.get("status") != "ok":
-        return row.get("status", "?")
+    status = row.get("status", "?")
+    if status != "ok":   # the short form; the row in the JSON (and the table above) has the whole reason
+        return next((short for prefix, short in (("OOM", "OOM"), ("not run (RAM)", "not run (RAM)"),
+                                                  ("skipped", "skipped (time)"),
+                                                  ("cut", "cut (time)"), ("pool", "pool too small"))
+                     if status.startswith(prefix)), status[:20])
     return row[key]
 
 
@@ -787,8 +857,10 @@ def _describe(row: dict) -> str:
         return f"{head} {row.get('status')} {row.get('error', '')}"
     text = (f"{head} prefill {row['prefill_s']:.2f} s ({row['prefill_tokens_per_s']:,.0f} tok/s), "
             f"decode step {row['step_ms']:.2f} ms (median {row['step_ms_median']:.2f}), peak {row['peak_gib']} GiB")
-    if "profile" in row:
-        p = row["profile"]
+    p = row.get("profile")
+    if p and "error" in p:
+        text += f"\n      profiled step: {p['error']}"
+    elif p:
         text += (f"\n      profiled step: wall {p['wall_ms_profiled']} ms, device busy {p['device_busy_ms']} ms, "
                  f"{p['kernel_launches']} launches, {p['ops']} aten ops; top: "
                  + ", ".join(f"{t['name']} {t['ms']}ms x{t['count']}" for t in p["top"][:5]))
