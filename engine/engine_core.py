@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 

@@ -6,7 +6,6 @@ AbortRequest cancels (client disconnect). The request id travels in the envelope
 """
 from __future__ import annotations
 
-import msgspec
 
 from messages.common import SamplingParams, TopLogprob, TrafficClass, Usage
 from messages.registry import Message, register

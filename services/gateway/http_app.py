@@ -115,7 +115,7 @@ class GatewayHttp:
                 http = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                    "Cache-Control": "no-cache", "x-request-id": request_id})
                 await http.prepare(request)
-            item, first_token_at = first, time.time()
+            item = first
             while True:
                 if isinstance(item, GatewayError):   # failed mid-way: end in the protocol's shape
                     item = GenerateChunk([], int(FinishReason.ERROR))

@@ -5,7 +5,6 @@ Config comes from EPD_* environment variables (what `epd up` and Compose set), t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 import uvloop

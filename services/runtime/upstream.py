@@ -25,7 +25,7 @@ class UpstreamLink:
         self.reconnects = 0
 
     async def run(self) -> None:
-        svc, cfg = self.service, self.service.config
+        svc = self.service
         backoff = BACKOFF_START_S
         while True:
             try:
