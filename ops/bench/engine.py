@@ -33,19 +33,18 @@ measurement (`complete: false` until the end), so a cut-off run still leaves its
 from __future__ import annotations
 
 import argparse
-import gc
-import json
-import math
 import re
 import sys
 import tempfile
 import time
-import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ops.bench.table import print_table, write_json
+from ops.bench.engine_device import (_device_name, _free, _host_available, _is_oom, _peak_gib,
+                                     _reset_peak, _sync, _transformers_version, measure_rates)
+from ops.bench.engine_weights import draw_model, weight_bytes, write_config_dir
 
 FULL = {"batches": (1, 8, 64), "contexts": (2048, 8192), "warmup": 2, "steps": 6}
 QUICK = {"batches": (1, 2), "contexts": (128, 256), "warmup": 1, "steps": 2}
@@ -191,130 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- device rates --------------------------------------------------------------------------------
-def measure_rates(device, dtype) -> dict:
-    """Copy rate (bytes read + written per second, one large tensor copy) and matmul FLOP/s."""
-    import torch
-    nbytes = (2 << 30) if device.type == "cuda" else (256 << 20)
-    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    copy_s = _best_time(lambda: dst.copy_(src), device, repeats=5)
-    del src, dst
-    n = 8192 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    mm_s = _best_time(lambda: a @ b, device, repeats=5)
-    del a, b
-    _free(device)
-    return {"copy_bytes": nbytes, "copy_s": copy_s, "copy_bytes_per_s": 2 * nbytes / copy_s,
-            "matmul_n": n, "matmul_s": mm_s, "matmul_flops_per_s": 2 * n**3 / mm_s}
-
-
-def _best_time(fn, device, repeats: int) -> float:
-    fn()
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 # ---- weights -------------------------------------------------------------------------------------
-def draw_model(config, device, dtype, seed: int):
-    """Our DeepseekV4 with every parameter and buffer drawn in place on `device`.
-
-    Mirrors `engine.model.random_init.random_tensor` (same scales, fp32 where the loader keeps fp32),
-    but each tensor is filled on the device by a device generator seeded with (seed, name), so
-    values differ from the CPU-written test checkpoints while never touching host memory.
-    """
-    import torch
-    from engine.model.loader import build_empty, tensor_dtype
-    model = build_empty(config)
-    values = {}
-    for name, meta in model.state_dict().items():
-        values[name] = draw_tensor(name, tuple(meta.shape), tensor_dtype(name, meta.dtype, dtype), config, device, seed)
-    if config.tie_word_embeddings:
-        values["lm_head.weight"] = values["model.embed_tokens.weight"]
-    model.load_state_dict(values, strict=True, assign=True)
-    model.requires_grad_(False)
-    _sync(device)
-    return model.eval()
-
-
-def draw_tensor(name: str, shape: tuple, dtype, config, device, seed: int):
-    import torch
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf == "tid2eid":
-        scores = torch.rand(shape[0], config.n_routed_experts, generator=generator, device=device)
-        return scores.argsort(dim=-1)[:, : shape[1]].to(dtype).contiguous()
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if leaf in ("scale", "hc_scale"):
-        return out.uniform_(0.5, 1.5, generator=generator)
-    std, mean = _init_spec(name, leaf, shape)
-    return out.normal_(mean, std, generator=generator)
-
-
-def _init_spec(name: str, leaf: str, shape: tuple) -> tuple[float, float]:
-    """(std, mean) as random_tensor draws them."""
-    if leaf == "e_score_correction_bias":
-        return 0.1, 0.0
-    if leaf in ("sinks", "base", "hc_base", "position_bias"):
-        return 0.5, 0.0
-    if "norm" in name:
-        return 0.1, 1.0
-    if name.endswith("embed_tokens.weight"):
-        return 1.0, 0.0
-    if name.endswith("experts.gate_up_proj") or ("shared_experts" in name and "down_proj" not in name):
-        return 4.0 / math.sqrt(shape[-1]), 0.0
-    if name.endswith("experts.down_proj") or "shared_experts.down_proj" in name:
-        return 0.25 / math.sqrt(shape[-1]), 0.0
-    return 1.0 / math.sqrt(shape[-1]), 0.0
-
-
-def weight_bytes(model) -> dict:
-    """Total bytes; `dense` = what every decode step reads whatever the routing (all but the routed
-    experts and the embedding table); `expert` = one routed expert of one layer."""
-    config = model.config
-    total = dense = routed = 0
-    for name, t in model.state_dict().items():
-        nbytes = t.numel() * t.element_size()
-        total += nbytes
-        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            routed += nbytes
-        elif not name.endswith("embed_tokens.weight"):
-            dense += nbytes
-    moe_layers = config.num_layers
-    return {"total": total, "dense": dense, "routed": routed,
-            "expert": routed // (moe_layers * config.n_routed_experts), "moe_layers": moe_layers,
-            "active_params_per_token": _active_params(model)}
-
-
-def _active_params(model) -> int:
-    """Weight elements a token multiplies through (k routed experts, no embedding, no lm_head)."""
-    config = model.config
-    n = 0
-    for name, t in model.state_dict().items():
-        if not t.is_floating_point() or t.dim() < 2 or name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            continue
-        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            n += t.numel() // config.n_routed_experts * config.experts_per_token
-        else:
-            n += t.numel()
-    return n
-
-
-def write_config_dir(raw: dict, config, dtype, out: Path) -> Path:
-    """A directory holding only config.json (the engine's model identity reads it; no weights)."""
-    from engine.model.random_init import _hf_config
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(_hf_config(dict(raw), config, dtype), indent=2) + "\n")
-    return out
-
-
 # ---- floor ---------------------------------------------------------------------------------------
 def floor_row(config, model, weights: dict, rates: dict, cell: Cell) -> dict:
     from engine.kv.page_pool import PageLayout
@@ -760,14 +636,6 @@ def _output_cache(out):
     raise RuntimeError("the HF output carries no cache")
 
 
-def _is_oom(exc: BaseException) -> bool:
-    import torch
-    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
-
-
 # ---- summary and report --------------------------------------------------------------------------
 def summarize(rows: list[dict], floors: list[dict], cells: list[Cell], plan: dict) -> list[dict]:
     """One line per (measure, batch, context): ours, HF, floor and the ratios."""
@@ -868,59 +736,6 @@ def _describe(row: dict) -> str:
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-def _sync(device) -> None:
-    import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device) -> None:
-    import torch
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _reset_peak(device) -> None:
-    import torch
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_gib(device):
-    import torch
-    if device.type != "cuda":
-        return None
-    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-
-
-def _device_name(device) -> str:
-    import torch
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    from ops.bench.table import machine
-    return f"{machine()['cpu_model']} ({torch.get_num_threads()} threads)"
-
-
-def _transformers_version() -> str | None:
-    try:
-        from importlib.metadata import version
-        return version("transformers")
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _host_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m ops.bench.engine ...`: the same as `epd bench engine ...` without the rest of the CLI."""
     parser = argparse.ArgumentParser(prog="epd bench engine", description=__doc__.splitlines()[0])
