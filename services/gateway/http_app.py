@@ -51,6 +51,14 @@ def _from_upstream(reply: ErrorReply) -> GatewayError:
     return GatewayError(status, kind, f"upstream: {reply.message}", code=name.lower())
 
 
+def _logprobs(chunk: GenerateChunk):
+    """The adapter's per-token (logprob, [(token id, logprob), ...]) from a worker chunk, or None."""
+    if not chunk.logprobs:
+        return None
+    tops = chunk.top_logprobs or [[] for _ in chunk.logprobs]
+    return [(lp, [(t.token_id, t.logprob) for t in top]) for lp, top in zip(chunk.logprobs, tops)]
+
+
 class GatewayHttp:
     def __init__(self, service: "GatewayService"):
         self.svc = service
@@ -119,8 +127,7 @@ class GatewayHttp:
             while True:
                 if isinstance(item, GatewayError):   # failed mid-way: end in the protocol's shape
                     item = GenerateChunk([], int(FinishReason.ERROR))
-                frames = response.push(item.token_ids, item.finish_reason or None, item.usage,
-                                       list(item.logprobs) if item.logprobs else None)
+                frames = response.push(item.token_ids, item.finish_reason or None, item.usage, _logprobs(item))
                 if http is not None:
                     for frame in frames:
                         await http.write(frame)

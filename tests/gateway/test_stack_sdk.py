@@ -184,3 +184,13 @@ def test_gateway_and_worker_agree_on_the_block_hash_chain(oai, stack):
     gateway = next(s for s in stack["state"]["services"] if s["kind"] == "gateway")
     assert '"event": "hash_chain.mismatch"' not in open(worker["log"]).read()
     assert '"model_id": "deepseek-v4-tiny-float32-' in open(gateway["log"]).read()
+
+
+def test_logprobs_and_top_logprobs_come_back_for_every_token(oai):
+    out = chat(oai, "Hi", max_tokens=6, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 6
+    for token in content:
+        assert token.logprob <= 0 and len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+        assert token.logprob <= token.top_logprobs[0].logprob + 1e-6
