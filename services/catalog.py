@@ -12,8 +12,13 @@ from services.runtime.service import Service
 KINDS: dict[str, str] = {
     "echo": "services.runtime.service:Service",
     "swa_registry": "services.swa_registry.service:SwaRegistryService",
+    "kv_writer": "services.kv_writer.service:KvWriterService",
     "gateway": "services.gateway.service:GatewayService",
     "unified_worker": "services.workers.unified:UnifiedWorker",
+    "prefill_worker": "services.workers.prefill:PrefillWorker",
+    "decode_worker": "services.workers.decode:DecodeWorker",
+    "prefill_router": "services.prefill_router.service:PrefillRouterService",
+    "decode_router": "services.decode_router.service:DecodeRouterService",
 }
 
 

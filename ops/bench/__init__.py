@@ -10,6 +10,7 @@ import importlib
 BENCH_MODULES = (
     "ops.bench.wire",      # bench wire: runtime transport vs raw pyzmq
     "ops.bench.gateway",   # bench gateway: adapter vs bare deepseek-recipe (prepare, stream, loop lag)
+    "ops.bench.kv",        # bench kv: KV store vs plain file I/O, prefix lookups at 1M blocks
     "ops.bench.engine",    # bench engine: EngineCore vs transformers DeepseekV4 vs the memory floor
 )
 
