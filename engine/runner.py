@@ -42,12 +42,13 @@ class ModelRunner:
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
         device = self.model.device
-        chunks, states, captures = [], [], []
+        tokens, counts, states, captures = [], [], [], []
         for seq, count in scheduled:
-            tokens = seq.token_ids[seq.num_computed : seq.num_computed + count]
-            chunks.append(torch.tensor(tokens, dtype=torch.long, device=device))
+            tokens.extend(seq.token_ids[seq.num_computed : seq.num_computed + count])
+            counts.append(count)
             states.append(seq.state)
             captures.append(self.kv.capture_positions(seq, count))
+        chunks = list(torch.tensor(tokens, dtype=torch.long).to(device).split(counts))  # one host-to-device copy
         if not self.batch_invariant:
             return self.model(chunks, states, captures=captures)
         return torch.cat([self.model([c], [s], captures=[p]) for c, s, p in zip(chunks, states, captures)])

@@ -75,13 +75,75 @@ class Attention(nn.Module):
             packed["ikv"], packed["igate"] = indexer.project(x)
             packed["iq"] = indexer.queries(q_residual, cos, sin)
             packed["iw"] = indexer.scorer.head_weights(x)
-        out = torch.empty_like(q)
-        for i, ((start, end), state) in enumerate(zip(batch.spans, batch.states)):
-            span = {name: t[start:end] for name, t in packed.items()}
-            captures = batch.captures[i] if batch.captures else ()
-            out[start:end] = self._attend_sequence(q[start:end], kv[start:end], span, state, captures)
+        if len(batch.states) > 1 and q.shape[0] == len(batch.states) and not any(batch.captures):
+            out = self._attend_decodes(q, kv, packed, batch.states)  # one new token per sequence
+        elif len(batch.states) == 1:
+            out = self._attend_sequence(q, kv, packed, batch.states[0], batch.captures[0] if batch.captures else ())
+        else:
+            out = torch.empty_like(q)
+            for i, ((start, end), state) in enumerate(zip(batch.spans, batch.states)):
+                span = {name: t[start:end] for name, t in packed.items()}
+                captures = batch.captures[i] if batch.captures else ()
+                out[start:end] = self._attend_sequence(q[start:end], kv[start:end], span, state, captures)
         out = apply_rope(out, cos, -sin)
         return self.o_b_proj(self.o_a_proj(out.reshape(out.shape[0], self.o_groups, -1)))
+
+    def _attend_decodes(self, q, kv, packed: dict, states) -> torch.Tensor:
+        """Token i is the one new token of sequence i: the states advance one by one, then a single
+        softmax attention runs over every sequence's keys, zero-padded to the longest and masked."""
+        keys, masks, deferred = [], [], []
+        for i, state in enumerate(states):
+            span = {name: t[i : i + 1] for name, t in packed.items()}
+            before = len(deferred)
+            block_keys, mask = self._one_keys(kv[i : i + 1], span, state, state.num_tokens, deferred)
+            keys.append(block_keys)
+            masks.append(mask)
+            if len(deferred) == before:
+                deferred.append(None)
+        lengths = [k.shape[0] for k in keys]
+        longest = max(lengths)
+        padded = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)  # [B, K, D]
+        if any(d is not None for d in deferred):
+            mask = self._select_decodes(packed, deferred, lengths, longest, q.device)
+        elif all(m is None for m in masks):
+            valid = [[True] * n + [False] * (longest - n) for n in lengths]
+            mask = torch.tensor(valid, dtype=torch.bool).to(q.device, non_blocking=True)
+        else:
+            rows = [m[0] if m is not None else torch.ones(n, dtype=torch.bool, device=q.device)
+                    for m, n in zip(masks, lengths)]
+            mask = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=False)
+        logits = (torch.einsum("bhd,bkd->bhk", q, padded) * self.scale).float()
+        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+        sinks = self.sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1]
+        return torch.einsum("bhk,bkd->bhd", probs.to(padded.dtype), padded)
+
+    def _select_decodes(self, packed: dict, deferred: list, lengths: list[int], longest: int, device):
+        """CSA decodes, batched: each query keeps the indexer's top-k of its visible entries (as
+        `Indexer.select`); sequence i's keys are [window (n_window_i) | entries (n_visible_i)]."""
+        indexer = self.compressor.indexer
+        n_window = [d[0] if d is not None else n for d, n in zip(deferred, lengths)]
+        n_visible = [d[1] if d is not None else 0 for d in deferred]
+        empty = packed["ikv"].new_zeros(0, indexer.head_dim)
+        index_keys = torch.nn.utils.rnn.pad_sequence([d[2] if d is not None else empty for d in deferred],
+                                                     batch_first=True)  # [B, E, d]
+        counts = torch.tensor([n_window, n_visible], dtype=torch.long).to(device, non_blocking=True)
+        entry = torch.arange(index_keys.shape[1], device=device)
+        visible = entry[None, :] < counts[1][:, None]
+        scorer = indexer.scorer
+        scores = torch.relu(torch.einsum("bhd,bed->bhe", packed["iq"].float(), index_keys.float()))
+        scores = (scores * scorer.softmax_scale * packed["iw"].unsqueeze(-1)).double().sum(dim=1).float()
+        scores = scores.masked_fill(~visible, float("-inf"))
+        top_k = min(indexer.top_k, scores.shape[1])
+        chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
+        selected = torch.zeros_like(visible).scatter_(1, chosen, True) & visible
+        key = torch.arange(longest, device=device)[None, :]
+        in_window = key < counts[0][:, None]
+        shifted = (key - counts[0][:, None]).clamp(0, max(index_keys.shape[1] - 1, 0))
+        if index_keys.shape[1] == 0:
+            return in_window & (key < torch.tensor(lengths, device=device)[:, None])
+        in_entries = selected.gather(1, shifted) & (key >= counts[0][:, None]) & (shifted < counts[1][:, None])
+        return in_window | in_entries
 
     def _attend_sequence(self, q, kv, span: dict, state: SequenceKV, captures=()) -> torch.Tensor:
         """One sequence's new tokens (positions state.num_tokens...); updates the state.
@@ -89,7 +151,10 @@ class Attention(nn.Module):
         The tokens run in pieces cut at the capture positions (attention is causal, so pieces in
         order give the same result as one), and the state captures itself at each cut.
         """
-        first_pos, out, lo = state.num_tokens, torch.empty_like(q), 0
+        first_pos = state.num_tokens
+        if not captures:
+            return self._attend_piece(q, kv, span, state, first_pos)
+        out, lo = torch.empty_like(q), 0
         for cut in (*(c - first_pos for c in captures), None):
             stop = q.shape[0] if cut is None else cut
             if stop > lo:
@@ -103,6 +168,8 @@ class Attention(nn.Module):
 
     def _attend_piece(self, q, kv, span: dict, state: SequenceKV, first_pos: int) -> torch.Tensor:
         """Tokens at positions first_pos... against the state; appends their KV and entries to it."""
+        if q.shape[0] == 1:
+            return self._softmax_attend(q, *self._one_keys(kv, span, state, first_pos))
         prior = state.window(self.layer, first_pos)
         window_start = first_pos - prior.shape[0]
         keys = torch.cat([prior, kv])
@@ -133,6 +200,38 @@ class Attention(nn.Module):
             out[rows] = self._softmax_attend(q[rows], block_keys, mask)
         return out
 
+    def _one_keys(self, kv, span: dict, state: SequenceKV, position: int, deferred: list | None = None):
+        """One new token at `position` (decode): advance the state as `_attend_piece` does; return the
+        keys it attends and their mask. Every window key and every visible entry is in the mask, so
+        the only mask left is the CSA indexer's top-k (None when there is none)."""
+        prior = state.window(self.layer, position)
+        window_start = position - prior.shape[0]
+        prior = prior[max(position - self.window + 1, window_start) - window_start :]  # still in the window
+        state.append_window(self.layer, kv, position)
+        entries = index_keys = None
+        if self.compressor is not None:
+            done, total = position // self.ratio, (position + 1) // self.ratio
+            new = self.compressor.pool(span["kv"], span["gate"], state.tail(self.layer), done)
+            state.write_entries(self.layer, done, new)
+            entries = state.entries(self.layer, total)
+        if self.layer_type == CSA:
+            indexer = self.compressor.indexer
+            new = indexer.pool(span["ikv"], span["igate"], state.index_tail(self.layer), done)
+            state.write_index_keys(self.layer, done, new)
+            index_keys = state.index_keys(self.layer, total)
+        n_visible = (position + 1) // self.ratio if entries is not None else 0
+        block_keys = torch.cat([prior, kv, entries[:n_visible]] if n_visible else [prior, kv])
+        mask = None
+        if entries is not None:
+            if n_visible:
+                if self.layer_type == CSA and n_visible > self.compressor.indexer.top_k and deferred is not None:
+                    deferred.append((block_keys.shape[0] - n_visible, n_visible, index_keys[:n_visible]))
+                elif self.layer_type == CSA and n_visible > self.compressor.indexer.top_k:
+                    positions = torch.tensor([position], device=kv.device)
+                    entry_mask = self._entry_mask(positions, n_visible, span, index_keys, slice(0, 1))
+                    mask = torch.cat([entry_mask.new_ones(1, block_keys.shape[0] - n_visible), entry_mask], dim=1)
+        return block_keys, mask
+
     def _window_mask(self, positions: torch.Tensor, key_lo: int, last: int) -> torch.Tensor:
         """Query at position p sees window keys at positions [p - window + 1, p]."""
         key_positions = torch.arange(key_lo, last + 1, device=positions.device)
@@ -150,7 +249,8 @@ class Attention(nn.Module):
     def _softmax_attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One softmax over the visible keys plus a per-head sink logit; keys double as values."""
         logits = (torch.einsum("qhd,kd->qhk", q, keys) * self.scale).float()
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+        if mask is not None:
+            logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
         sinks = self.sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
         probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1]
         return torch.einsum("qhk,kd->qhd", probs.to(keys.dtype), keys)

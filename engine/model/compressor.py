@@ -41,9 +41,10 @@ class WindowPooler(nn.Module):
         kv = torch.cat([tail.pending_kv, kv])
         gate = torch.cat([tail.pending_gate, gate])
         usable = kv.shape[0] // self.ratio * self.ratio
-        tail.pending_kv, tail.pending_gate = kv[usable:].clone(), gate[usable:].clone()
-        if usable == 0:
+        if usable == 0:  # the cats above made fresh tensors: keep them as they are
+            tail.pending_kv, tail.pending_gate = kv, gate
             return kv.new_empty(0, self.head_dim)
+        tail.pending_kv, tail.pending_gate = kv[usable:].clone(), gate[usable:].clone()
         n_windows, m, d = usable // self.ratio, self.ratio, self.head_dim
         window_kv = kv[:usable].view(n_windows, m, -1)
         window_gate = gate[:usable].view(n_windows, m, -1) + self.position_bias

@@ -22,6 +22,72 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+def mix_matrix(comb_logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Softmax rows of the [.., N, N] logits, then Sinkhorn: the stream-mixing matrix."""
+    return sinkhorn(torch.softmax(comb_logits, dim=-1) + eps, iters, eps)
+
+
+class _GraphedMix:
+    """`mix_matrix` on CUDA replayed from a CUDA graph per (token count, N, iters, eps).
+
+    The eager version is ~120 tiny kernels (launch-bound at decode sizes); a replay is one launch
+    plus the input and output copies, running the very same kernels (identical numerics). Only for
+    small token counts (decode); anything that fails to capture falls back to eager for good.
+    """
+
+    MAX_TOKENS = 256
+    MAX_GRAPHS = 64  # distinct token counts kept; later ones run eager
+
+    def __init__(self):
+        self.graphs: dict[tuple, tuple] = {}
+        self.enabled = True
+
+    def __call__(self, comb_logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        if (
+            not self.enabled
+            or comb_logits.device.type != "cuda"
+            or comb_logits.shape[0] > self.MAX_TOKENS
+            or torch.cuda.is_current_stream_capturing()
+        ):
+            return mix_matrix(comb_logits, iters, eps)
+        key = (tuple(comb_logits.shape), comb_logits.dtype, comb_logits.device, iters, eps)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= self.MAX_GRAPHS:
+                return mix_matrix(comb_logits, iters, eps)
+            try:
+                entry = self._capture(comb_logits, iters, eps)
+            except Exception:  # noqa: BLE001 - any capture problem: stay eager
+                self.enabled = False
+                return mix_matrix(comb_logits, iters, eps)
+            self.graphs[key] = entry
+        graph, static_in, static_out = entry
+        static_in.copy_(comb_logits)
+        graph.replay()
+        return static_out.clone()
+
+    @staticmethod
+    def _capture(comb_logits: torch.Tensor, iters: int, eps: float) -> tuple:
+        static_in = comb_logits.clone()
+        side = torch.cuda.Stream(device=comb_logits.device)
+        side.wait_stream(torch.cuda.current_stream(comb_logits.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                mix_matrix(static_in, iters, eps)
+        torch.cuda.current_stream(comb_logits.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            static_out = mix_matrix(static_in, iters, eps)
+        static_in.copy_(comb_logits)
+        graph.replay()
+        if not torch.equal(static_out, mix_matrix(comb_logits, iters, eps)):
+            raise RuntimeError("graphed mixing matrix differs from eager")
+        return graph, static_in, static_out
+
+
+_graphed_mix = _GraphedMix()
+
+
 class HyperConnection(nn.Module):
     """Computes (post [T, N], comb [T, N, N], collapsed block input [T, H]) from the streams."""
 
@@ -46,7 +112,7 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb_logits = comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n)
-        comb = sinkhorn(torch.softmax(comb_logits, dim=-1) + self.hc_eps, self.iters, self.hc_eps)
+        comb = _graphed_mix(comb_logits, self.iters, self.hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
         return post, comb, collapsed
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -73,6 +75,36 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n, hidden, inter))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        if _grouped_mm_ok(x, self.gate_up_proj):
+            try:
+                return self._grouped(x, weights, experts)
+            except RuntimeError:  # a grouped-matmul kernel refusing these shapes: loop from now on
+                _GROUPED_MM_FAILED.add(x.device.type)
+        return self._looped(x, weights, experts)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """All experts in two grouped matmuls over the expert-sorted token slots: no host sync.
+
+        Rounding as the per-expert loop: each slot's weighted output is cast to the activation
+        dtype, and a token's k outputs add up in that dtype in ascending expert order.
+        """
+        n_tokens, k = experts.shape
+        flat_experts = experts.flatten()
+        order = torch.argsort(flat_experts, stable=True)
+        offs = torch.cumsum(torch.bincount(flat_experts, minlength=self.n_experts), 0).to(torch.int32)
+        xs = x[order // k]
+        gate, up = _grouped_mm(xs, self.gate_up_proj.transpose(-1, -2), offs).chunk(2, dim=-1)
+        y = _grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj.transpose(-1, -2), offs)
+        slots = torch.empty(n_tokens * k, y.shape[-1], device=y.device, dtype=x.dtype)
+        slots[order] = (y * weights.flatten()[order, None]).to(x.dtype)
+        by_expert = experts.argsort(dim=1, stable=True)  # each token's slots in ascending expert order
+        slots = slots.view(n_tokens, k, -1).gather(1, by_expert[:, :, None].expand(-1, -1, slots.shape[-1]))
+        out = slots[:, 0]
+        for j in range(1, k):
+            out = out + slots[:, j]
+        return out
+
+    def _looped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         flat_experts = experts.flatten()
         order = torch.argsort(flat_experts, stable=True)
@@ -89,6 +121,30 @@ class RoutedExperts(nn.Module):
             out.index_add_(0, tokens, (y * slot_weight[start : start + count, None]).to(out.dtype))
             start += count
         return out
+
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_GROUPED_MM_FAILED: set[str] = set()
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _GROUPED_MM(a.to(b.dtype), b, offs=offs)
+
+
+def _grouped_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Grouped matmul on CPU (any float dtype) or on a CUDA GPU of compute capability 8+ in bf16."""
+    if _GROUPED_MM is None or x.dtype != weight.dtype or x.device.type in _GROUPED_MM_FAILED:
+        return False
+    if weight.device.type == "cpu":
+        return True
+    if weight.device.type == "cuda":
+        return weight.dtype == torch.bfloat16 and _capability(weight.device) >= (9, 0)
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 class MoE(nn.Module):
