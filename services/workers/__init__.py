@@ -1,1 +1,1 @@
-"""GPU worker services: thin shells around `engine/` (roles: unified now; prefill, decode, vision later)."""
+"""GPU worker services: thin shells around `engine/`: `unified` (prefill and decode in one process), `prefill` and `decode` (the E/P/D pools; vision later)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from messages.common import FinishReason, TopLogprob, Usage
+from messages.common import FinishReason
 from messages.control import Load, StatusQuery
 from messages.errors import ErrorCode, InvalidRequest, WireError
 from messages.generate import AbortRequest, GenerateChunk
@@ -32,6 +32,7 @@ from services.runtime.context import Context
 from services.runtime.membership import Peer
 from services.workers.common import EngineWorker
 from services.workers.unified import Stream
+from services.workers.chunks import chunk_from
 
 BLOCK = 128
 
@@ -168,13 +169,7 @@ class DecodeWorker(EngineWorker):
             stream.completion_tokens += len(out.new_token_ids)
             stream.cached_tokens = out.num_cached_tokens
             finished = out.finish_reason is not None
-            chunk = GenerateChunk(
-                token_ids=list(out.new_token_ids),
-                finish_reason=int(out.finish_reason) if finished else int(FinishReason.NONE),
-                logprobs=list(out.logprobs or []),
-                top_logprobs=[[TopLogprob(t, lp) for t, lp in row] for row in (out.top_logprobs or [])],
-                usage=Usage(out.num_prompt_tokens, out.num_cached_tokens, stream.completion_tokens)
-                if finished else None)
+            chunk = chunk_from(out, stream.completion_tokens)
             if not self._deliver(stream, chunk):
                 continue
             before = self._tokens.get(out.request_id, 0)

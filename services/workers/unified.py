@@ -11,13 +11,14 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from messages.common import FinishReason, TopLogprob, Usage
+from messages.common import FinishReason
 from messages.control import Load
 from messages.errors import InvalidRequest, WireError
 from messages.generate import AbortRequest, GenerateChunk, GenerateRequest
 from services.runtime.context import Context
 from services.runtime.membership import Peer
 from services.runtime.service import Service
+from services.workers.chunks import chunk_from
 from services.runtime.tracing import SpanContext
 from services.workers.engine_thread import EngineThread
 
@@ -136,13 +137,7 @@ class UnifiedWorker(Service):
             stream.completion_tokens += len(out.new_token_ids)
             stream.cached_tokens = out.num_cached_tokens
             finished = out.finish_reason is not None
-            chunk = GenerateChunk(
-                token_ids=list(out.new_token_ids),
-                finish_reason=int(out.finish_reason) if finished else int(FinishReason.NONE),
-                logprobs=list(out.logprobs or []),
-                top_logprobs=[[TopLogprob(t, lp) for t, lp in row] for row in (out.top_logprobs or [])],
-                usage=Usage(out.num_prompt_tokens, out.num_cached_tokens, stream.completion_tokens)
-                if finished else None)
+            chunk = chunk_from(out, stream.completion_tokens)
             try:
                 self.send(stream.return_address, chunk, request_id=out.request_id, span=stream.span)
             except WireError as exc:   # the gateway is gone or not reading: stop generating for it

@@ -1,0 +1,16 @@
+"""The GenerateChunk a worker streams to the gateway for one engine output."""
+from __future__ import annotations
+
+from messages.common import FinishReason, TopLogprob, Usage
+from messages.generate import GenerateChunk
+
+
+def chunk_from(out, completion_tokens: int) -> GenerateChunk:
+    """`out` is an engine RequestOutput; usage travels on the last chunk only."""
+    finished = out.finish_reason is not None
+    return GenerateChunk(
+        token_ids=list(out.new_token_ids),
+        finish_reason=int(out.finish_reason) if finished else int(FinishReason.NONE),
+        logprobs=list(out.logprobs or []),
+        top_logprobs=[[TopLogprob(t, lp) for t, lp in row] for row in (out.top_logprobs or [])],
+        usage=Usage(out.num_prompt_tokens, out.num_cached_tokens, completion_tokens) if finished else None)
