@@ -174,17 +174,7 @@ class Attention(nn.Module):
         window_start = first_pos - prior.shape[0]
         keys = torch.cat([prior, kv])
         state.append_window(self.layer, kv, first_pos)
-        entries = index_keys = None
-        if self.compressor is not None:
-            done, total = first_pos // self.ratio, (first_pos + q.shape[0]) // self.ratio
-            new = self.compressor.pool(span["kv"], span["gate"], state.tail(self.layer), done)
-            state.write_entries(self.layer, done, new)
-            entries = state.entries(self.layer, total)
-        if self.layer_type == CSA:
-            indexer = self.compressor.indexer
-            new = indexer.pool(span["ikv"], span["igate"], state.index_tail(self.layer), done)
-            state.write_index_keys(self.layer, done, new)
-            index_keys = state.index_keys(self.layer, total)
+        entries, index_keys = self._advance_compressed(span, state, first_pos, first_pos + q.shape[0])
         out = torch.empty_like(q)
         for lo in range(0, q.shape[0], QUERY_BLOCK):
             rows = slice(lo, min(lo + QUERY_BLOCK, q.shape[0]))
@@ -200,6 +190,22 @@ class Attention(nn.Module):
             out[rows] = self._softmax_attend(q[rows], block_keys, mask)
         return out
 
+    def _advance_compressed(self, span: dict, state: SequenceKV, start: int, end: int):
+        """Pool the new tokens [start, end) into compressed entries (and CSA indexer keys); return all
+        entries and indexer keys complete by `end` (None for a sliding-only layer)."""
+        if self.compressor is None:
+            return None, None
+        done, total = start // self.ratio, end // self.ratio
+        new = self.compressor.pool(span["kv"], span["gate"], state.tail(self.layer), done)
+        state.write_entries(self.layer, done, new)
+        entries, index_keys = state.entries(self.layer, total), None
+        if self.layer_type == CSA:
+            indexer = self.compressor.indexer
+            new = indexer.pool(span["ikv"], span["igate"], state.index_tail(self.layer), done)
+            state.write_index_keys(self.layer, done, new)
+            index_keys = state.index_keys(self.layer, total)
+        return entries, index_keys
+
     def _one_keys(self, kv, span: dict, state: SequenceKV, position: int, deferred: list | None = None):
         """One new token at `position` (decode): advance the state as `_attend_piece` does; return the
         keys it attends and their mask. Every window key and every visible entry is in the mask, so
@@ -208,17 +214,7 @@ class Attention(nn.Module):
         window_start = position - prior.shape[0]
         prior = prior[max(position - self.window + 1, window_start) - window_start :]  # still in the window
         state.append_window(self.layer, kv, position)
-        entries = index_keys = None
-        if self.compressor is not None:
-            done, total = position // self.ratio, (position + 1) // self.ratio
-            new = self.compressor.pool(span["kv"], span["gate"], state.tail(self.layer), done)
-            state.write_entries(self.layer, done, new)
-            entries = state.entries(self.layer, total)
-        if self.layer_type == CSA:
-            indexer = self.compressor.indexer
-            new = indexer.pool(span["ikv"], span["igate"], state.index_tail(self.layer), done)
-            state.write_index_keys(self.layer, done, new)
-            index_keys = state.index_keys(self.layer, total)
+        entries, index_keys = self._advance_compressed(span, state, position, position + 1)
         n_visible = (position + 1) // self.ratio if entries is not None else 0
         block_keys = torch.cat([prior, kv, entries[:n_visible]] if n_visible else [prior, kv])
         mask = None
