@@ -4,6 +4,8 @@ Tensors travel as buffer frames; fields hold frame indices into the envelope's b
 `KVSnapshot` describes a state cut by the engine (`EngineCore.snapshot`): which model and layout
 made it, how many tokens it covers, the hash chain of its full blocks, and the role of each
 buffer. The receiver checks all of it before restoring (`EngineCore.restore`).
+`StateHandoff` also carries the tokens the sender already produced with their logprobs (laid out
+as in GenerateChunk), which the receiver streams first.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from enum import IntEnum
 
 import msgspec
 
+from messages.common import TopLogprob
 from messages.generate import GenerateRequest
 from messages.registry import Message, register
 
@@ -38,7 +41,9 @@ class StateHandoff(Message):
     request: GenerateRequest
     snapshot: KVSnapshot
     buffer_frames: list[int] = []    # frame index of each snapshot buffer (roles in snapshot.roles)
-    generated_ids: list[int] = []    # tokens already produced (migration)
+    generated_ids: list[int] = []    # tokens already produced (the prefill's first one; more on migration)
+    logprobs: list[float] = []       # one per generated id when the request asked for logprobs, else empty
+    top_logprobs: list[list[TopLogprob]] = []   # one row per generated id when it asked for top logprobs
 
 
 @register(0x0402)

@@ -8,7 +8,9 @@ is needed at the boundary where prefill resumes, so:
      the hit is the probe; otherwise the worker backs off one block and recomputes it
      (bounded replay needs no earlier window): hit = probe - 128.
 The SWA lookup therefore asks for the hash of the block ending at the probe, which is L1 itself
-unless the cap cut L1 down. All functions are pure; bad input raises ValueError.
+unless the cap cut L1 down, and (the shell) for the one a block before it: until bounded replay
+exists, a worker needs the window at wherever it starts, so the router names its holder too.
+All functions are pure; bad input raises ValueError.
 """
 from __future__ import annotations
 

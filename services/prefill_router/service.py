@@ -1,10 +1,12 @@
 """PrefillRouterService: the asyncio shell around PrefillRouterCore.
 
 Gateways (their upstream is this router) send GenerateRequest, request id in the envelope. For each:
-1. hit length: KvLookup(block hashes up to the hit cap) to the KV writer gives L1; SwaLookup(hash
-   of the block ending at the probe) to the SWA registry says whether the window is there;
-   hit_length.hit_length decides. A lookup that is not configured, fails or times out counts as
-   a miss: it never fails the request.
+1. hit length: KvLookup(block hashes up to the hit cap) to the KV writer gives L1; SwaLookup(hashes
+   of the blocks ending at the probe and one block before it) to the SWA registry says who holds
+   the window at each; hit_length.hit_length decides: the probe with its holder, else one block
+   less with the holder of that window (if any; without one a worker can use only the windows it
+   holds itself until bounded replay exists). A lookup that is not configured, fails or times out
+   counts as a miss: it never fails the request.
 2. the core queues it in its length bucket (full: ErrorReply OVERLOADED to the gateway) and pumps.
 3. for every hand-out: DecodePick to the decode router -> DecodeChoice (no decode router
    configured: decode_address ""), then PrefillWork(request, hit_tokens, swa_holder,
@@ -159,15 +161,19 @@ class PrefillRouterService(Service):
             self.log.warning("kv_lookup.failed", request_id=rid, code=exc.code.name, error=exc.message)
             return 0, ""
         probe = swa_probe(prompt_len, kv_hit)
-        holder = ""
-        if probe and s.swa_registry:
-            try:
-                reply = (await self.call(s.swa_registry, SwaLookup([hashes[probe_hash_index(probe)]]),
-                                         request_id=rid, span=span, timeout=s.lookup_timeout_s)).message
-                holder = reply.holders[0] if reply.holders else ""
-            except WireError as exc:
-                self.log.warning("swa_lookup.failed", request_id=rid, code=exc.code.name, error=exc.message)
-        return hit_length(prompt_len, kv_hit, bool(holder)), holder
+        if not probe or not s.swa_registry:
+            return hit_length(prompt_len, kv_hit, False), ""
+        boundaries = [b for b in (probe, probe - BLOCK_TOKENS) if b > 0]   # the hit, and the one we back off to
+        try:
+            reply = (await self.call(s.swa_registry, SwaLookup([hashes[probe_hash_index(b)] for b in boundaries]),
+                                     request_id=rid, span=span, timeout=s.lookup_timeout_s)).message
+            holders = [*reply.holders[: len(boundaries)], "", ""]
+        except WireError as exc:
+            self.log.warning("swa_lookup.failed", request_id=rid, code=exc.code.name, error=exc.message)
+            holders = ["", ""]
+        if holders[0]:
+            return probe, holders[0]
+        return hit_length(prompt_len, kv_hit, False), holders[1]
 
     # ---- dispatch ----------------------------------------------------------------------
     def _pump(self) -> None:

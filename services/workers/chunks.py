@@ -5,12 +5,17 @@ from messages.common import FinishReason, TopLogprob, Usage
 from messages.generate import GenerateChunk
 
 
+def logprob_fields(out) -> tuple[list[float], list[list[TopLogprob]]]:
+    """An engine RequestOutput's logprobs and top logprobs in their wire form (empty if not asked)."""
+    return list(out.logprobs or []), [[TopLogprob(t, lp) for t, lp in row] for row in (out.top_logprobs or [])]
+
+
 def chunk_from(out, completion_tokens: int) -> GenerateChunk:
     """`out` is an engine RequestOutput; usage travels on the last chunk only."""
     finished = out.finish_reason is not None
+    logprobs, top_logprobs = logprob_fields(out)
     return GenerateChunk(
         token_ids=list(out.new_token_ids),
         finish_reason=int(out.finish_reason) if finished else int(FinishReason.NONE),
-        logprobs=list(out.logprobs or []),
-        top_logprobs=[[TopLogprob(t, lp) for t, lp in row] for row in (out.top_logprobs or [])],
+        logprobs=logprobs, top_logprobs=top_logprobs,
         usage=Usage(out.num_prompt_tokens, out.num_cached_tokens, completion_tokens) if finished else None)

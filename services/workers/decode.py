@@ -5,9 +5,11 @@ Load (kv_usage, batch_size, capacity = max_num_seqs) so the router can pick it.
 
 StateHandoff (from a prefill worker, request id in the envelope; buffers as frames): the engine
 restores the request from the snapshot with the tokens already produced (normally the first one,
-`generated_ids`), the worker answers StateAccepted, and those tokens go at once to the gateway that
-owns the request (`request.return_address`) as a GenerateChunk; every engine step that produced
-tokens sends the next one, the last with the finish reason and usage (like the unified worker).
+`generated_ids`, with their logprobs when the request asked for them: one per token, or none; any
+other count is refused), the worker answers StateAccepted, and those tokens and logprobs go at once
+to the gateway that owns the request (`request.return_address`) as a GenerateChunk; every engine
+step that produced tokens sends the next one, the last with the finish reason and usage (like the
+unified worker).
 AbortRequest (the prefill router forwards the gateway's) frees the request; a request whose chunks
 cannot be delivered is freed too. Gateways do not register with decode workers, so the worker asks
 each gateway it streams to for its status every `dead_after_s`; one that does not answer within
@@ -43,7 +45,7 @@ class DecodeWorker(EngineWorker):
     def __init__(self, config):
         super().__init__(config)
         self.streams: dict[str, Stream] = {}
-        self._first: dict[str, list[int]] = {}        # tokens from the hand-off not yet sent to the gateway
+        self._first: dict[str, GenerateChunk] = {}    # the hand-off's tokens, not yet sent to the gateway
         self._traffic: dict[str, int] = {}
         self._tokens: dict[str, int] = {}             # prompt + generated tokens so far
         self._stepped: set[str] = set()               # requests the engine produced output for
@@ -119,11 +121,14 @@ class DecodeWorker(EngineWorker):
         except WireError as exc:
             raise InvalidRequest(f"StateHandoff buffers: {exc.message}", request_id=rid) from None
         generated = list(msg.generated_ids)
+        if any(rows and len(rows) != len(generated) for rows in (msg.logprobs, msg.top_logprobs)):
+            raise InvalidRequest(f"StateHandoff: {len(msg.logprobs)} logprobs and {len(msg.top_logprobs)} top "
+                                 f"logprobs for {len(generated)} generated ids (one each, or none)", request_id=rid)
         stream = Stream(rid, request.return_address, ctx.span, ctx.sender, time.time(), len(request.prompt_ids))
         stream.completion_tokens = len(generated)
         stream.cached_tokens = msg.snapshot.num_cached_tokens
         self.streams[rid] = stream
-        self._first[rid] = generated
+        self._first[rid] = GenerateChunk(generated, logprobs=list(msg.logprobs), top_logprobs=list(msg.top_logprobs))
         self._traffic[rid] = request.traffic_class
         self._tokens[rid] = len(request.prompt_ids) + len(generated)
         engine_request = EngineRequest(rid, list(request.prompt_ids), request.sampling,
@@ -150,12 +155,12 @@ class DecodeWorker(EngineWorker):
     # ---- engine outputs ----------------------------------------------------------------
     def _flush_first(self, rid: str) -> None:
         """The hand-off's tokens go out first (once), before anything the engine produced."""
-        tokens = self._first.pop(rid, None)
+        chunk = self._first.pop(rid, None)
         stream = self.streams.get(rid)
-        if not tokens or stream is None:
+        if chunk is None or not chunk.token_ids or stream is None:
             return
         stream.first_token_at = time.time()
-        self._deliver(stream, GenerateChunk(token_ids=tokens))
+        self._deliver(stream, chunk)
 
     def _on_outputs(self, outputs: list) -> None:
         self._engine_stats = self.engine_thread.engine.stats()   # cheap counters, read after a step

@@ -11,9 +11,10 @@ PrefillWork (request id in the envelope) -> the reply on the same path, PrefillD
    in the prefix cache. Blocks this engine already holds with their boundary state are not read
    again. A store or holder that fails only shortens the hit: it never fails the request.
 2. engine.add_request(prefill_only=True): the first token comes out and the state is held.
-3. snapshot -> StateHandoff (buffers as frames, generated_ids = the first token) to
-   `decode_address` with call(), awaiting StateAccepted -> release -> PrefillDone(hit_tokens =
-   prompt tokens the engine took from its prefix cache, computed_tokens = the rest).
+3. snapshot -> StateHandoff (buffers as frames, generated_ids = the first token, with its logprobs
+   when asked) to `decode_address` with call(), awaiting StateAccepted -> release ->
+   PrefillDone(hit_tokens = prompt tokens the engine took from its prefix cache, computed_tokens =
+   the rest).
    A first token that already finishes the request (EOS, max_tokens=1) goes to the gateway from
    here as the last chunk; nothing is handed off.
 AbortRequest from the router cancels the request (an ErrorReply ABORTED answers the PrefillWork,
@@ -26,15 +27,15 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from messages.common import TopLogprob, Usage
 from messages.control import Load
 from messages.errors import ErrorCode, InvalidRequest, RemoteError, WireError
-from messages.generate import AbortRequest, GenerateChunk
+from messages.generate import AbortRequest
 from messages.handoff import BufferRole, KVSnapshot, StateHandoff, SwaFetch
 from messages.kv_store import KvReadPages
 from messages.routing import PrefillDone, PrefillWork
 from services.runtime.context import Context
 from services.runtime.tracing import SpanContext
+from services.workers.chunks import chunk_from, logprob_fields
 from services.workers.common import EngineWorker
 
 BLOCK = 128
@@ -172,7 +173,9 @@ class PrefillWorker(EngineWorker):
 
     async def _hand_off(self, msg: PrefillWork, rid: str, span: SpanContext, out) -> None:
         snapshot, buffers = await self.engine(lambda engine, r: engine.snapshot(r), rid)
-        handoff = StateHandoff(msg.request, snapshot, list(range(len(buffers))), list(out.new_token_ids))
+        logprobs, top_logprobs = logprob_fields(out)
+        handoff = StateHandoff(msg.request, snapshot, list(range(len(buffers))), list(out.new_token_ids),
+                               logprobs, top_logprobs)
         try:
             reply = await self.call(msg.decode_address, handoff, request_id=rid, span=span, buffers=buffers,
                                     timeout=self.settings.handoff_timeout_s)
@@ -191,12 +194,7 @@ class PrefillWorker(EngineWorker):
                                  request_id=rid)
 
     def _send_last_chunk(self, address: str, rid: str, span: SpanContext, out) -> None:
-        chunk = GenerateChunk(
-            token_ids=list(out.new_token_ids), finish_reason=int(out.finish_reason),
-            logprobs=list(out.logprobs or []),
-            top_logprobs=[[TopLogprob(t, lp) for t, lp in row] for row in (out.top_logprobs or [])],
-            usage=Usage(out.num_prompt_tokens, out.num_cached_tokens, len(out.new_token_ids)))
-        self.send(address, chunk, request_id=rid, span=span)
+        self.send(address, chunk_from(out, len(out.new_token_ids)), request_id=rid, span=span)
 
     # ---- loading the hit prefix ------------------------------------------------------------
     async def _load_prefix(self, msg: PrefillWork, rid: str, span: SpanContext) -> int:

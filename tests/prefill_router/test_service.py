@@ -181,6 +181,16 @@ async def test_without_the_swa_window_the_hit_backs_off_one_block(running):
     assert hits == {"r1": (512, ""), "r2": (0, "")}
 
 
+async def test_backing_off_one_block_names_the_holder_of_the_window_there(running):
+    router, gateway, [worker], kv, swa, _ = await stack(running)
+    kv.stored = {h(i) for i in range(5)}                       # L1 = 640, its window missing
+    client = await running.start(Service, "client")
+    await client.call(swa.config.advertise, SwaRegister([h(3)], "tcp://holder:3"))   # window at 512
+    gateway.generate("r1", 1000)
+    await eventually(lambda: worker.works, what="work arrived")
+    assert (worker.works[0][1].hit_tokens, worker.works[0][1].swa_holder) == (512, "tcp://holder:3")
+
+
 async def test_no_headroom_keeps_requests_queued_until_a_rank_finishes(running):
     router, gateway, [worker], *_ = await stack(running, auto=False, rank_token_budget=1500)
     for i in range(4):

@@ -14,6 +14,7 @@ from messages.common import FinishReason
 from messages.control import ServiceState
 from messages.errors import ErrorCode, RemoteError
 from messages.generate import AbortRequest, GenerateChunk, GenerateRequest
+from messages.handoff import KVSnapshot, StateHandoff
 from messages.routing import PrefillDone, PrefillWork
 from messages.swa_registry import SwaLookup
 from services.kv_writer.service import KvWriterService
@@ -84,10 +85,13 @@ def reference(tiny_model_dir):
     """A unified engine: what a prompt should produce."""
     engine = EngineCore(EngineConfig(**engine_settings(tiny_model_dir)))
 
+    def collect(prompt: list[int], sampling):
+        engine.add_request(EngineRequest("ref", prompt, sampling))
+        return run_engine(engine)["ref"]
+
     def run(prompt: list[int], max_tokens: int) -> list[int]:
-        engine.add_request(EngineRequest("ref", prompt, greedy_params(max_tokens)))
-        return run_engine(engine)["ref"].tokens
-    run.model_id = engine.model_id
+        return collect(prompt, greedy_params(max_tokens)).tokens
+    run.model_id, run.collect = engine.model_id, collect
     return run
 
 
@@ -221,18 +225,33 @@ async def test_abort_frees_a_decoding_request_and_a_fresh_request_still_runs(sta
     assert tokens == reference(prompt2, 10)
 
 
-@pytest.mark.xfail(strict=True, reason="StateHandoff carries no logprobs for the tokens it hands over "
-                                       "(messages/handoff.py needs fields for them), so the first chunk "
-                                       "from the decode worker has none")
-async def test_logprobs_cover_every_token(stack):
+async def test_logprobs_cover_every_token_the_hand_off_included(stack, reference):
     s = stack
     prompt = make_prompt(40, 9).tolist()
-    request = GenerateRequest(model="tiny", prompt_ids=prompt, sampling=greedy_params(6, logprobs=True),
-                              return_address=s.gw.config.advertise)
+    sampling = greedy_params(6, logprobs=True, top_logprobs=3)
+    request = GenerateRequest(model="tiny", prompt_ids=prompt, sampling=sampling, return_address=s.gw.config.advertise)
     await s.gw.call(s.prefill_a.config.advertise, PrefillWork(request, 0, "", s.decode.config.advertise),
                     request_id="lp", timeout=120)
     await eventually(lambda: s.gw.finished("lp"), timeout=60, what="finished")
-    assert all(len(c.logprobs) == len(c.token_ids) for c in s.gw.chunks["lp"])
+    chunks = s.gw.chunks["lp"]
+    assert len(chunks[0].token_ids) == 1   # the prefill worker's first token, streamed by the decode worker
+    assert all(len(c.logprobs) == len(c.top_logprobs) == len(c.token_ids) for c in chunks)
+    expected = reference.collect(prompt, sampling)
+    assert s.gw.tokens("lp") == expected.tokens
+    assert [lp for c in chunks for lp in c.logprobs] == pytest.approx(expected.logprobs, abs=1e-5)
+    tops = [row for c in chunks for row in c.top_logprobs]
+    assert all(len(row) == 3 and row[0].token_id == token for row, token in zip(tops, expected.tokens))
+
+
+async def test_a_hand_off_with_misaligned_logprobs_is_refused(stack):
+    s = stack
+    request = GenerateRequest(model="tiny", prompt_ids=[1, 2, 3], sampling=greedy_params(4, logprobs=True),
+                              return_address=s.gw.config.advertise)
+    with pytest.raises(RemoteError) as err:
+        await s.gw.call(s.decode.config.advertise, StateHandoff(request, KVSnapshot(), [], [5], [-0.1, -0.2]),
+                        request_id="misaligned")
+    assert err.value.code == ErrorCode.INVALID_REQUEST and "logprobs" in err.value.message
+    assert not s.decode.streams
 
 
 async def test_a_dead_gateways_requests_are_freed(stack):
