@@ -208,11 +208,11 @@ class Supervisor:
             self.status = "failed"
             self.write_state()
             return 1
+        if on_ready:   # before "ready" reaches state.json: `epd up --detach` then prints this banner
+            on_ready(self)
         self.status = "ready"
         self.write_state()
         self.event("stack.ready", services=len(self.children))
-        if on_ready:
-            on_ready(self)
         self.supervise()
         self.stop_all()
         return 0

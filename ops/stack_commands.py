@@ -208,7 +208,8 @@ def cmd_health(args) -> int:
 
 def register(subparsers) -> None:
     up = subparsers.add_parser("up", help="start the stack's services locally and supervise them")
-    up.add_argument("--topology", help="topology file, or the name of an embedded one (default: default)")
+    up.add_argument("--topology", help="topology file, or an embedded one by name: default (E/P/D, the default) "
+                                       "or unified (gateway + one unified worker)")
     up.add_argument("--port-base", type=int, help="override the topology's first port")
     up.add_argument("--http-port", type=int, help="override the port of the HTTP API (the gateway's)")
     up.add_argument("--run-dir", help="where logs and state go (default .epd/runs/<time>)")

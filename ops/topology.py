@@ -3,7 +3,23 @@
 A TOML file with a [stack] table and one [[service]] table per service:
     name, kind, replicas, upstream (the name of the service it registers with), settings, and
     any ServiceConfig field (queue_size, concurrency, hwm, grace_s, heartbeat_s, ...).
-Addresses are assigned here: instance i of the whole stack gets port_base + i.
+Addresses are assigned here: instance i of the whole stack (in file order, replicas included) gets
+tcp://host:(port_base + i).
+
+Embedded topologies (ops/topologies/, loaded by name): "default", the E/P/D form (gateway, prefill
+router and workers, decode router and workers, KV writer, SWA registry), and "unified", a gateway
+in front of one unified worker; "epd" is the E/P/D form's former name (ALIASES).
+
+Named peers. A service that talks to a peer other than its upstream takes the peer's address from
+a setting. Write the peer's service name with an "@" instead of an address:
+    [service.settings]
+    kv_writer = "@kv_writer"            # the address of the service named kv_writer
+Only top-level string values of `settings` that start with "@" are peer names; anything else,
+literal "tcp://..." addresses included, passes through unchanged. A name resolves to the address of
+the service's first replica (as `upstream` does): here `tcp://host:port` of the local stack, so
+--port-base, --host and inserted replicas move it; `ops/compose.py` resolves it to
+`tcp://<service name>:<port>` (Compose DNS). A name that is not a service of the topology is a
+ValueError naming the service and the setting.
 """
 from __future__ import annotations
 
@@ -12,9 +28,13 @@ import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from services.runtime.config import ServiceConfig
+
+PEER_PREFIX = "@"
+# Embedded topologies known by an older name: "epd" was the E/P/D form before it became "default".
+ALIASES = {"epd": "default"}
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(ServiceConfig)} - {"kind", "instance", "bind", "advertise",
                                                                            "upstream", "metrics_bind"}
@@ -36,6 +56,21 @@ class ServiceSpec:
         unknown = set(self.options) - _CONFIG_FIELDS
         if unknown:
             raise ValueError(f"service {self.name}: unknown keys {sorted(unknown)}")
+        if not isinstance(self.options.get("settings", {}), dict):
+            raise ValueError(f"service {self.name}: settings must be a table")
+
+    @property
+    def peers(self) -> dict[str, str]:
+        """Settings key -> the service name it holds as "@name"."""
+        settings = self.options.get("settings", {})
+        return {key: value[len(PEER_PREFIX):] for key, value in settings.items()
+                if isinstance(value, str) and value.startswith(PEER_PREFIX)}
+
+    def resolved_settings(self, address_of: Callable[[str], str]) -> dict[str, Any]:
+        """The settings with every "@name" replaced by address_of(name)."""
+        peers = self.peers
+        return {key: address_of(peers[key]) if key in peers else value
+                for key, value in self.options.get("settings", {}).items()}
 
 
 @dataclass(slots=True)
@@ -55,6 +90,10 @@ class Topology:
         for spec in self.services:
             if spec.upstream and spec.upstream not in names:
                 raise ValueError(f"service {spec.name}: upstream {spec.upstream!r} is not in the topology")
+            for key, peer in spec.peers.items():
+                if peer not in names:
+                    raise ValueError(f"service {spec.name}: settings.{key} = \"{PEER_PREFIX}{peer}\" names no service "
+                                     f"of the topology (services: {', '.join(names)})")
 
     def spec(self, name: str) -> ServiceSpec:
         for spec in self.services:
@@ -64,30 +103,41 @@ class Topology:
 
     def instances(self) -> list[tuple[ServiceSpec, int, ServiceConfig]]:
         """(spec, replica index, config) for every process of the local stack, in start order."""
+        slots = self._slots()
+        out = []
+        for spec in self.services:
+            upstream = self.address(spec.upstream) if spec.upstream else ""   # its first replica
+            options = {"grace_s": self.grace_s, "ready_timeout_s": self.ready_timeout_s, **spec.options}
+            if "settings" in options:
+                options["settings"] = spec.resolved_settings(self.address)
+            for replica, slot in enumerate(slots[spec.name]):
+                config = ServiceConfig(
+                    kind=spec.kind, instance=f"{spec.name}-{replica}", bind=self._address(slot), upstream=upstream,
+                    metrics_bind=f"{self.host}:{self.port_base + self.metrics_offset + slot}", **options)
+                out.append((spec, replica, config))
+        return out
+
+    def address(self, name: str) -> str:
+        """The local address of service `name`'s first replica: where its upstream and peers reach it."""
+        return self._address(self._slots()[name][0])
+
+    def _address(self, slot: int) -> str:
+        return f"tcp://{self.host}:{self.port_base + slot}"
+
+    def _slots(self) -> dict[str, list[int]]:
+        """Service name -> its instances' slots (port offsets), in file order."""
         slots: dict[str, list[int]] = {}
         slot = 0
         for spec in self.services:
             slots[spec.name] = list(range(slot, slot + spec.replicas))
             slot += spec.replicas
-        out = []
-        for spec in self.services:
-            for replica, slot in enumerate(slots[spec.name]):
-                address = f"tcp://{self.host}:{self.port_base + slot}"
-                upstream = ""
-                if spec.upstream:   # register with the upstream's first replica
-                    upstream = f"tcp://{self.host}:{self.port_base + slots[spec.upstream][0]}"
-                options = {"grace_s": self.grace_s, "ready_timeout_s": self.ready_timeout_s, **spec.options}
-                config = ServiceConfig(
-                    kind=spec.kind, instance=f"{spec.name}-{replica}", bind=address, upstream=upstream,
-                    metrics_bind=f"{self.host}:{self.port_base + self.metrics_offset + slot}", **options)
-                out.append((spec, replica, config))
-        return out
+        return slots
 
 
 def load_topology(name_or_path: str | None = None, *, port_base: int | None = None,
                   host: str | None = None, http_port: int | None = None) -> Topology:
     """A topology from a file path, or by name from the embedded ones ("default", ...)."""
-    name_or_path = name_or_path or "default"
+    name_or_path = ALIASES.get(name_or_path or "default", name_or_path or "default")
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.exists():
         text, source = path.read_text(), str(path)

@@ -37,6 +37,7 @@ from services.runtime.context import Context
 from services.runtime.tracing import SpanContext
 from services.workers.chunks import chunk_from, logprob_fields
 from services.workers.common import EngineWorker
+from services.workers.hash_check import HashChainCheck
 
 BLOCK = 128
 
@@ -72,6 +73,7 @@ class PrefillWorker(EngineWorker):
         self.jobs: dict[str, Job] = {}
         self._reader = None
         self._background: set[asyncio.Task] = set()
+        self.hash_check = HashChainCheck()
 
     def handlers(self):
         return {**self.base_handlers(), PrefillWork: self._on_work, AbortRequest: self._on_abort}
@@ -110,6 +112,7 @@ class PrefillWorker(EngineWorker):
             raise InvalidRequest("PrefillWork has no decode_address (is a decode router configured?)", request_id=rid)
         if rid in self.jobs:
             raise InvalidRequest(f"request {rid} is already prefilling here", request_id=rid)
+        self.hash_check.check(self.log, self.model_id, request.prompt_ids, request.block_hashes)
         prompt_len = len(request.prompt_ids)
         job = self.jobs[rid] = Job(rid, prompt_len - msg.hit_tokens)
         started = time.time()

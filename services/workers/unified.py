@@ -21,6 +21,7 @@ from services.runtime.service import Service
 from services.workers.chunks import chunk_from
 from services.runtime.tracing import SpanContext
 from services.workers.engine_thread import EngineThread
+from services.workers.hash_check import HashChainCheck
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ class UnifiedWorker(Service):
         self.engine_thread: EngineThread | None = None
         self._engine_stats = None
         self.model_id = ""
-        self._warned_hash_mismatch = False
+        self.hash_check = HashChainCheck()
 
     def handlers(self):
         return {GenerateRequest: self._on_generate, AbortRequest: self._on_abort}
@@ -97,7 +98,7 @@ class UnifiedWorker(Service):
             raise InvalidRequest(f"request {request_id} is already running here", request_id=request_id)
         if not msg.return_address:
             raise InvalidRequest("GenerateRequest needs a return_address", request_id=request_id)
-        self._check_hash_chain(msg)
+        self.hash_check.check(self.log, self.model_id, msg.prompt_ids, msg.block_hashes)
         stream = Stream(request_id, msg.return_address, ctx.span, ctx.sender, time.time(), len(msg.prompt_ids))
         self.streams[request_id] = stream
         request = EngineRequest(request_id, list(msg.prompt_ids), msg.sampling, msg.arrival_time or time.time())
@@ -108,16 +109,6 @@ class UnifiedWorker(Service):
             raise InvalidRequest(str(exc), request_id=request_id) from None
         self.log.info("request.accepted", request_id=request_id, prompt_tokens=len(msg.prompt_ids),
                       max_tokens=msg.sampling.max_tokens)
-
-    def _check_hash_chain(self, msg: GenerateRequest) -> None:
-        """Routing and the KV store trust the gateway's hashes: say once if they are not ours."""
-        from engine.kv.prefix_hash import BLOCK_SIZE, block_hashes
-        if self._warned_hash_mismatch or not msg.block_hashes or len(msg.prompt_ids) < BLOCK_SIZE:
-            return
-        if msg.block_hashes[0] != block_hashes(self.model_id, msg.prompt_ids[:BLOCK_SIZE])[0]:
-            self._warned_hash_mismatch = True
-            self.log.warning("hash_chain.mismatch", worker_model_id=self.model_id,
-                             hint="the gateway's model_dir/dtype differ from this worker's: prefix hits will miss")
 
     async def _on_abort(self, msg: AbortRequest, ctx: Context) -> None:
         if ctx.request_id in self.streams:

@@ -1,18 +1,14 @@
-"""Shared fixtures: one Adapter per test session (tokenizer load ~1 s), SSE helpers."""
+"""Shared fixtures: one Adapter per test session (tokenizer load ~1 s), SSE helpers, and the running
+default (E/P/D) stack that the SDK tests drive."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from messages.common import FinishReason
 from services.gateway.adapter import Adapter, AdapterConfig, Protocol, ServedModel
-from tests.conftest import link_model
-from tests.helpers.test_helper_processes import REPO
-from tests.ops.test_stack_commands import free_port_base, pid_alive
+from tests.ops.test_stack_commands import down_stack, up_stack
 
 MODEL = "deepseek-v4-tiny"
 SMALL_MODEL = "deepseek-v4-small-context"
@@ -106,22 +102,9 @@ def accumulate_all(prepared, chunks: list[list[int]], finish=FinishReason.STOP, 
     return json.loads(acc.body())
 
 
-# ---- a running stack (gateway + unified worker as real processes), shared by this folder's tests ----
+# ---- a running stack (the default E/P/D topology as real processes), shared by this folder's tests ----
 @pytest.fixture(scope="package")
 def stack(tmp_path_factory, tiny_model_dir):
-    root = tmp_path_factory.mktemp("stack")
-    env = {**os.environ, "EPD_RUN_ROOT": str(root / "runs"), "PYTHONPATH": str(REPO)}
-    link_model(root, tiny_model_dir)
-    base = free_port_base(3)
-    http_port = free_port_base(1, offset=0)
-    up = subprocess.run([sys.executable, "-m", "ops.cli", "up", "--detach", "--topology", "unified",
-                         "--port-base", str(base), "--http-port", str(http_port)],
-                        cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stdout + up.stderr
-    state = json.loads((root / "runs/current/state.json").read_text())
-    yield {"url": f"http://127.0.0.1:{http_port}", "state": state, "root": root, "env": env}
-    subprocess.run([sys.executable, "-m", "ops.cli", "down"], cwd=root, env=env, capture_output=True, timeout=120)
-    for pid in [state["supervisor_pid"], *(s["pid"] for s in state["services"])]:
-        assert not pid_alive(pid), "epd down left a process behind"
-
-
+    stack = up_stack(tmp_path_factory.mktemp("stack"), "default", tiny_model_dir)
+    yield stack
+    down_stack(stack)

@@ -1,5 +1,5 @@
-"""The stack served end to end (gateway + unified worker, real processes) driven by the official
-`openai` and `anthropic` SDKs. The model has random weights, so these assert structure, usage
+"""The default stack served end to end (the E/P/D form: gateway, routers, prefill and decode
+workers, KV writer, SWA registry; real processes) driven by the official `openai` and `anthropic` SDKs. The model has random weights, so these assert structure, usage
 arithmetic and determinism rather than content."""
 from __future__ import annotations
 
@@ -30,9 +30,13 @@ def claude(stack):
     return anthropic.Anthropic(base_url=stack["url"], api_key="unused", max_retries=0, timeout=120)
 
 
+def service(stack, kind):
+    return next(s for s in stack["state"]["services"] if s["kind"] == kind)
+
+
 def worker_status(stack):
-    worker = next(s for s in stack["state"]["services"] if s["kind"] == "unified_worker")
-    return query_status(worker["address"], 2.0)
+    """The decode worker holds a request from its first token to its last."""
+    return query_status(service(stack, "decode_worker")["address"], 2.0)
 
 
 GREEDY = {"temperature": 0}   # this anthropic SDK version has no `temperature` argument
@@ -180,9 +184,10 @@ def test_client_disconnect_mid_stream_frees_the_request_in_the_worker(stack):
 def test_gateway_and_worker_agree_on_the_block_hash_chain(oai, stack):
     out = chat(oai, "block " * 400, max_tokens=2)   # > 128 prompt tokens: at least one full block
     assert out.usage.prompt_tokens >= 256
-    worker = next(s for s in stack["state"]["services"] if s["kind"] == "unified_worker")
-    gateway = next(s for s in stack["state"]["services"] if s["kind"] == "gateway")
-    assert '"event": "hash_chain.mismatch"' not in open(worker["log"]).read()
+    prefill, gateway = service(stack, "prefill_worker"), service(stack, "gateway")
+    log = open(prefill["log"]).read()
+    assert '"event": "request.prefilled"' in log   # the worker saw this request ...
+    assert '"event": "hash_chain.mismatch"' not in log   # ... and its chain matched the gateway's
     assert '"model_id": "deepseek-v4-tiny-float32-' in open(gateway["log"]).read()
 
 

@@ -23,14 +23,19 @@ from services.runtime.config import ServiceConfig
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "compose" / "docker-compose.yml"
 
-# Three services: a scaled worker pool behind a registry, and a gateway on a settings-chosen port.
+# A scaled worker pool behind a registry, a gateway on a settings-chosen port that also names the
+# registry as a peer, and a KV store with a scaled reader pool on an absolute store path.
 RICH = {
     "stack": {"port_base": 6000, "metrics_offset": 50, "grace_s": 20.0, "ready_timeout_s": 45.5},
     "service": [
         {"name": "registry", "kind": "swa_registry", "settings": {"default_ttl_s": 90.0, "note": "a$b"}},
         {"name": "workers", "kind": "echo", "replicas": 3, "upstream": "registry", "queue_size": 16,
-         "grace_s": 30.0, "log_level": "debug"},
-        {"name": "front", "kind": "gateway", "upstream": "workers", "settings": {"http_bind": "127.0.0.1:8080"}},
+         "grace_s": 30.0, "log_level": "debug", "settings": {"registry": "@registry"}},
+        {"name": "front", "kind": "gateway", "upstream": "workers",
+         "settings": {"http_bind": "127.0.0.1:8080", "registry": "@registry", "audit": "tcp://10.0.0.9:7"}},
+        {"name": "store", "kind": "kv_writer", "settings": {"root": "/mnt/kv"}},
+        {"name": "readers", "kind": "prefill_worker", "replicas": 2, "upstream": "front",
+         "settings": {"kv_store_dir": "/mnt/kv", "kv_writer": "@store"}},
     ],
 }
 
@@ -86,7 +91,7 @@ def test_rendering_is_deterministic_and_plain_yaml():
     assert "&" not in first and "*" not in first          # no YAML anchors or aliases
     document = yaml.safe_load(first)
     assert document["version"] == "2.4"
-    assert list(document["services"]) == ["registry", "workers", "front"]
+    assert list(document["services"]) == ["registry", "workers", "front", "store", "readers"]
 
 
 @pytest.mark.parametrize("topology", [load_topology("default"), rich_topology()], ids=["default", "rich"])
@@ -100,7 +105,8 @@ def test_every_topology_service_is_one_compose_service_running_serve_kind_from_o
         assert service["image"] == compose.IMAGE
         assert set(service["environment"]) <= {"EPD_" + f.name.upper() for f in dataclasses.fields(ServiceConfig)}
         assert service["environment"]["EPD_KIND"] == spec.kind
-        assert "entrypoint" not in service and "env_file" not in service and "volumes" not in service
+        assert "entrypoint" not in service and "env_file" not in service
+        assert ("volumes" in service) == (spec.kind in ("kv_writer", "prefill_worker")), spec.name
 
 
 @pytest.mark.parametrize("topology", [load_topology("default"), rich_topology()], ids=["default", "rich"])
@@ -118,7 +124,9 @@ def test_environment_rebuilds_the_config_the_local_launcher_builds(topology):
             if f.name not in addresses | {"settings"}:
                 assert getattr(rebuilt, f.name) == getattr(local, f.name), f"{spec.name}.{f.name}"
         http_key = compose.PUBLISHED_HTTP.get(spec.kind, ("",))[0]
-        local_settings = {k: v for k, v in local.settings.items() if k != http_key}
+        peers = spec.peers   # named peers: by Compose service name at the local port
+        local_settings = {k: f"tcp://{peers[k]}:{port(v)}" if k in peers else v
+                          for k, v in local.settings.items() if k != http_key}
         assert {k: v for k, v in rebuilt.settings.items() if k != http_key} == local_settings
         if http_key in local.settings:   # the HTTP front binds every interface in its container
             assert rebuilt.settings[http_key] == f"0.0.0.0:{port(local.settings[http_key])}"
@@ -145,9 +153,68 @@ def test_healthcheck_runs_epd_health_and_dependents_wait_for_a_healthy_upstream(
         own_port = port(service["environment"]["EPD_BIND"])
         assert service["healthcheck"]["test"] == ["CMD", "epd", "health", "--address", f"tcp://127.0.0.1:{own_port}"]
         assert service["healthcheck"]["start_period"] == "46s"   # ceil(ready_timeout_s)
-    assert "depends_on" not in services["registry"]
-    assert services["workers"]["depends_on"] == {"registry": {"condition": "service_healthy"}}
-    assert services["front"]["depends_on"] == {"workers": {"condition": "service_healthy"}}
+    healthy = {"condition": "service_healthy"}
+    assert "depends_on" not in services["registry"] and "depends_on" not in services["store"]
+    assert services["workers"]["depends_on"] == {"registry": healthy}      # upstream and peer: once
+    assert services["front"]["depends_on"] == {"workers": healthy, "registry": healthy}   # upstream, then peers
+    assert services["readers"]["depends_on"] == {"front": healthy, "store": healthy}
+
+
+def test_named_peers_are_compose_service_names_at_their_ports_and_literals_pass_through():
+    services = yaml.safe_load(compose.render(rich_topology()))["services"]
+    registry_port = port(services["registry"]["environment"]["EPD_BIND"])
+    store_port = port(services["store"]["environment"]["EPD_BIND"])
+    front = json.loads(container_env(services["front"])["EPD_SETTINGS"])
+    assert front["registry"] == f"tcp://registry:{registry_port}" and front["audit"] == "tcp://10.0.0.9:7"
+    workers = json.loads(services["workers"]["environment"]["EPD_SETTINGS"])
+    assert workers == {"registry": f"tcp://registry:{registry_port}"}
+    readers = json.loads(services["readers"]["environment"]["EPD_SETTINGS"])
+    assert readers["kv_writer"] == f"tcp://store:{store_port}"
+
+
+def test_the_default_stack_names_its_peers_by_service_and_scales_its_worker_pools():
+    topology = load_topology("default")
+    services = yaml.safe_load(compose.render(topology))["services"]
+    bind = {name: port(service["environment"]["EPD_BIND"]) for name, service in services.items()}
+    router = json.loads(services["prefill_router"]["environment"]["EPD_SETTINGS"])
+    assert {k: router[k] for k in ("kv_writer", "swa_registry", "decode_router")} == {
+        name: f"tcp://{name}:{bind[name]}" for name in ("kv_writer", "swa_registry", "decode_router")}
+    for worker, router_name in (("prefill_worker", "prefill_router"), ("decode_worker", "decode_router")):
+        env = services[worker]["environment"]
+        # each replica registers with the router by its own container hostname: --scale works
+        assert env["EPD_UPSTREAM"] == f"tcp://{router_name}:{bind[router_name]}"
+        assert env["EPD_ADVERTISE"] == f"tcp://{{hostname}}:{bind[worker]}"
+        assert "ports" not in services[worker]
+        settings = json.loads(env["EPD_SETTINGS"])
+        assert settings["kv_writer"] == f"tcp://kv_writer:{bind['kv_writer']}"
+        assert set(services[worker]["depends_on"]) == {router_name, "kv_writer", "swa_registry"}
+    assert "@" not in compose.render(topology).split("services:", 1)[1]   # every peer name resolved
+
+
+def test_the_kv_store_is_one_named_volume_written_by_the_writer_and_read_by_the_prefill_workers():
+    document = yaml.safe_load(compose.render(load_topology("default")))
+    services = document["services"]
+    root = json.loads(services["kv_writer"]["environment"]["EPD_SETTINGS"])["root"]
+    path = f"{compose.CONTAINER_WORKDIR}/{root}"
+    assert services["kv_writer"]["volumes"] == [f"epd_kvstore:{path}"]
+    assert services["prefill_worker"]["volumes"] == [f"epd_kvstore:{path}:ro"]   # StoreReader never writes
+    assert json.loads(services["prefill_worker"]["environment"]["EPD_SETTINGS"])["kv_store_dir"] == root
+    assert document["volumes"] == {"epd_kvstore": {}}
+    # the image has the directory, owned by its user, so a new volume is created with that owner
+    dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
+    assert f"WORKDIR {compose.CONTAINER_WORKDIR}" in dockerfile
+    assert dockerfile.index(f"RUN mkdir -p {root}") > dockerfile.index("USER epd")
+    rich = yaml.safe_load(compose.render(rich_topology()))
+    assert rich["services"]["store"]["volumes"] == ["mnt_kv:/mnt/kv"]
+    assert rich["services"]["readers"]["volumes"] == ["mnt_kv:/mnt/kv:ro"]
+    assert rich["volumes"] == {"mnt_kv": {}}
+
+
+def test_an_unknown_peer_name_fails_epd_compose_with_the_service_and_setting(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text('[[service]]\nname = "router"\nkind = "echo"\nsettings = { kv_writer = "@nowhere" }\n')
+    assert cli(["compose", "--topology", str(path)]) == 2
+    assert 'service router: settings.kv_writer = "@nowhere" names no service' in capsys.readouterr().err
 
 
 def test_stop_waits_for_the_drain_and_restarts_unless_stopped():
@@ -164,7 +231,7 @@ def test_only_the_gateway_publishes_a_host_port_and_scaled_services_publish_none
     assert services["front"]["ports"] == ["127.0.0.1:8080:8080"]
     settings = json.loads(services["front"]["environment"]["EPD_SETTINGS"])
     assert settings["http_bind"] == "0.0.0.0:8080"   # reachable through the published port
-    assert "ports" not in services["registry"] and "ports" not in services["workers"]
+    assert [name for name, service in services.items() if "ports" in service] == ["front"]
     assert services["workers"]["scale"] == 3 and "scale" not in services["registry"]
     default = parse_topology({"service": [{"name": "gw", "kind": "gateway"}]})
     assert yaml.safe_load(compose.render(default))["services"]["gw"]["ports"] == ["127.0.0.1:8000:8000"]

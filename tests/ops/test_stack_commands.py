@@ -8,10 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from ops.topology import load_topology
 from tests.conftest import link_model
 from tests.helpers.test_helper_processes import REPO, wait_until
 
@@ -42,6 +44,30 @@ def pid_alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(") ", 1)[1][0] != "Z"
+
+
+# ---- the package-scoped stacks of tests/workers and tests/gateway ----------------------------
+def up_stack(root: Path, topology: str, tiny_model_dir: Path) -> dict:
+    """`epd up --detach` of an embedded topology at free ports under `root`; the stack's details."""
+    env = {**os.environ, "EPD_RUN_ROOT": str(root / "runs"), "PYTHONPATH": str(REPO)}
+    link_model(root, tiny_model_dir)
+    base = free_port_base(len(load_topology(topology).instances()))
+    http_port = free_port_base(1, offset=0)
+    up = subprocess.run([sys.executable, "-m", "ops.cli", "up", "--detach", "--topology", topology,
+                         "--port-base", str(base), "--http-port", str(http_port)],
+                        cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    state = json.loads((root / "runs/current/state.json").read_text())
+    return {"url": f"http://127.0.0.1:{http_port}", "state": state, "root": root, "env": env}
+
+
+def down_stack(stack: dict) -> None:
+    """`epd down`, then check that no process of the stack is left."""
+    subprocess.run([sys.executable, "-m", "ops.cli", "down"], cwd=stack["root"], env=stack["env"],
+                   capture_output=True, timeout=120)
+    state = stack["state"]
+    for pid in [state["supervisor_pid"], *(s["pid"] for s in state["services"])]:
+        assert not pid_alive(pid), "epd down left a process behind"
 
 
 class Epd:
@@ -94,12 +120,22 @@ heartbeat_s = 0.5
 
 def test_default_stack_up_status_down_leaves_no_process(epd, tiny_model_dir):
     link_model(epd.cwd, tiny_model_dir)
-    up = epd("up", "--detach", "--port-base", str(free_port_base(8)),
-             "--http-port", str(free_port_base(1, offset=0)))
+    http_port = free_port_base(1, offset=0)
+    up = epd("up", "--detach", "--port-base", str(free_port_base(len(load_topology().instances()))),
+             "--http-port", str(http_port))
     assert "stack ready" in up.stdout and "curl http://127.0.0.1:" in up.stdout
     status = json.loads(epd("status", "--json").stdout)
-    assert status["supervisor"] == "ready" and status["services"]
+    assert status["supervisor"] == "ready"
     assert all(s["state"] == "running" for s in status["services"])
+    peers = {s["kind"]: s["peers"] for s in status["services"]}   # the default is the E/P/D form
+    assert set(peers) == {"gateway", "prefill_router", "prefill_worker", "decode_router", "decode_worker",
+                          "kv_writer", "swa_registry"}
+    assert peers["prefill_router"] == "2/2" and peers["decode_router"] == "1/1"   # gateway + prefill worker; decode worker
+    body = {"model": "deepseek-v4-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:   # prefill worker -> decode worker
+        assert json.loads(response.read())["usage"]["completion_tokens"] == 3
     state = epd.state()
     pids = [state["supervisor_pid"], *(s["pid"] for s in state["services"])]
     assert all(pid_alive(p) for p in pids)
@@ -168,18 +204,17 @@ grace_s = 3.0
 [[service]]
 name = "front"
 kind = "{RELAY}"
-settings = {{ downstream = "tcp://127.0.0.1:{base + 1}" }}
+settings = {{ downstream = "@middle" }}     # a named peer: the launcher fills in its address
 [[service]]
 name = "middle"
 kind = "{RELAY}"
-settings = {{ downstream = "tcp://127.0.0.1:{base + 2}" }}
+settings = {{ downstream = "@back" }}
 [[service]]
 name = "back"
 kind = "echo"
 """)
     epd("up", "--detach", "--topology", str(topology))
     try:
-        from ops.control_client import call
         from messages.control import Echo, EchoReply
         import zmq
         from messages import Codec

@@ -1,53 +1,78 @@
-"""ops/topologies/epd.toml: the fixed peer addresses in its settings name the slots the topology
-actually gives those services, and the stack's wiring is the E/P/D one."""
+"""ops/topologies/default.toml, the E/P/D form: every peer a service reaches is named, not addressed,
+and resolves to that service's address wherever the stack listens; the wiring is the E/P/D one and
+every service's settings parse."""
 from __future__ import annotations
 
 import tomllib
+from importlib import resources
+
+import pytest
 
 from ops.topology import load_topology, parse_topology
 from services.catalog import resolve
+from services.kv_writer.service import KvWriterSettings
+from services.prefill_router.settings import PrefillRouterSettings
 from services.workers.common import WorkerSettings
-from tests.workers.conftest import epd_topology_at
 
+# settings key -> the service it must name, for every service that has the key
 PEER_KEYS = {"kv_writer": "kv_writer", "swa_registry": "swa_registry", "decode_router": "decode_router"}
 
 
-def addresses(topology) -> dict[str, str]:
-    return {spec.name: config.advertise for spec, _, config in topology.instances()}
-
-
-def check(topology) -> None:
-    where = addresses(topology)
-    for spec in topology.services:
-        settings = spec.options.get("settings", {})
+@pytest.mark.parametrize("port_base", [None, 31000])
+def test_every_peer_setting_names_its_service_and_resolves_to_its_address(port_base):
+    topology = load_topology("default", port_base=port_base)
+    address = {spec.name: config.bind for spec, replica, config in topology.instances() if replica == 0}
+    for spec, _, config in topology.instances():
+        written = spec.options.get("settings", {})
         for key, target in PEER_KEYS.items():
-            if key in settings:
-                assert settings[key] == where[target], f"{spec.name}.{key}"
-    upstreams = {s.name: s.upstream for s in topology.services}
-    assert upstreams["gateway"] == "prefill_router"
-    assert upstreams["prefill_worker"] == "prefill_router" and upstreams["decode_worker"] == "decode_router"
+            if key in written:
+                assert written[key] == "@" + target, f"{spec.name}.{key} must name the service"
+                assert config.settings[key] == address[target], f"{spec.name}.{key}"
+    if port_base is not None:
+        assert address["kv_writer"] == f"tcp://127.0.0.1:{port_base + 5}"
     router = topology.spec("prefill_router").options["settings"]
     assert set(router) >= set(PEER_KEYS)
+    for worker in ("prefill_worker", "decode_worker"):
+        assert set(topology.spec(worker).options["settings"]) >= {"kv_writer", "swa_registry"}
 
 
-def test_the_embedded_epd_topology_wires_fixed_addresses_to_the_right_slots():
-    topology = load_topology("epd")
-    check(topology)
-    for spec in topology.services:
+def test_the_stack_is_wired_the_epd_way_and_every_setting_parses():
+    topology = load_topology("default")
+    upstreams = {s.name: s.upstream for s in topology.services}
+    assert upstreams == {"gateway": "prefill_router", "prefill_router": "", "prefill_worker": "prefill_router",
+                         "decode_router": "", "decode_worker": "decode_router", "kv_writer": "", "swa_registry": ""}
+    for spec, _, config in topology.instances():
         resolve(spec.kind)   # every kind is in the catalog
         if spec.kind in ("prefill_worker", "decode_worker"):
-            settings = WorkerSettings.from_mapping(spec.options["settings"])
+            settings = WorkerSettings.from_mapping(config.settings)
             assert settings.engine["model_dir"] == ".epd/models/deepseek-v4-tiny"
+        if spec.kind == "prefill_router":
+            PrefillRouterSettings.from_mapping(config.settings)
+        if spec.kind == "kv_writer":
+            KvWriterSettings.from_mapping(config.settings)
     kv_root = topology.spec("kv_writer").options["settings"]["root"]
     assert topology.spec("prefill_worker").options["settings"]["kv_store_dir"] == kv_root
 
 
-def test_the_test_copy_moves_the_fixed_addresses_with_the_port_base():
-    check(parse_topology(tomllib.loads(epd_topology_at(31000)), port_base=31000))
+def test_each_worker_pool_scales_on_its_own_and_every_replica_keeps_its_router_and_peers():
+    data = tomllib.loads((resources.files("ops.topologies") / "default.toml").read_text())
+    pools = {"prefill_worker": 3, "decode_worker": 2}
+    for raw in data["service"]:
+        raw["replicas"] = pools.get(raw["name"], 1)
+    topology = parse_topology(data, port_base=32000)
+    instances = topology.instances()
+    assert len(instances) == 7 - 2 + 5
+    assert len({config.bind for _, _, config in instances}) == len(instances)   # every replica its own port
+    address = {spec.name: config.bind for spec, replica, config in instances if replica == 0}
+    for spec, _, config in instances:
+        if spec.name in pools:   # registers with its router; reaches the one KV writer and SWA registry
+            assert config.upstream == address[spec.upstream] and config.advertise == config.bind
+            assert config.settings["kv_writer"] == address["kv_writer"]
+            assert config.settings["swa_registry"] == address["swa_registry"]
+    assert sum(spec.name == "prefill_worker" for spec, _, _ in instances) == 3
 
 
 def test_worker_settings_refuse_unknown_keys_and_bad_values():
-    import pytest
     with pytest.raises(ValueError, match="unknown worker settings"):
         WorkerSettings.from_mapping({"model_dir": "m", "kv_writter": "tcp://x:1"})
     with pytest.raises(ValueError, match="handoff_timeout_s"):
