@@ -44,6 +44,7 @@ class EngineConfig:
     batch_invariant: bool = False
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped by the pool)
     swa_cache_bytes: int = 1 << 30  # host memory for window + tail states saved at cached block boundaries
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA devices only; eager otherwise)
 
     def __post_init__(self):
         if not self.model_dir:
@@ -104,6 +105,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model = load_model(config.model_dir, config.device, config.dtype)
+        self.model.decode_graphs.enabled = config.cuda_graphs
         model_config = self.model.config
         self.model_id = model_identity(config.model_dir, str(self.model.dtype))
         limit = config.max_model_len or model_config.max_position_embeddings

@@ -37,7 +37,8 @@ class ModelRunner:
         if not ready:
             return [], None
         seqs = [scheduled[row][0] for row in ready]
-        rows = logits[torch.tensor(ready, device=logits.device)].float()
+        rows = logits if len(ready) == len(scheduled) else logits[torch.tensor(ready, device=logits.device)]
+        rows = rows.float()
         return seqs, sample(rows, [s.sampling for s in seqs], [s.generator for s in seqs])
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:

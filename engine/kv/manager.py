@@ -18,6 +18,7 @@ from engine.kv.block_manager import BlockManager
 from engine.kv.page_pool import PageLayout, PagePool
 from engine.kv.paged_state import PagedState
 from engine.kv.swa import BoundaryCache, BoundaryState, SwaSlots
+from engine.kv.tails import TailRings
 from engine.model.config import ModelConfig
 
 
@@ -49,6 +50,7 @@ class KVCache:
         self.pool = PagePool(self.layout, num_pages, device, dtype)
         self.blocks = BlockManager(num_pages)
         self.slots = SwaSlots(num_slots, config.num_layers, config.sliding_window, config.head_dim, device, dtype)
+        self.tail_rings = TailRings(config, num_slots, device, dtype)  # slot i's tails go with window slot i
         self.boundaries = BoundaryCache(boundary_cache_bytes)
 
     # ---- admission --------------------------------------------------------------------------
@@ -73,7 +75,7 @@ class KVCache:
 
     def admit(self, seq, hit: Hit, num_new: int) -> None:
         """Give `seq` a window slot, its hit pages and pages for `num_new` more tokens."""
-        state = PagedState(self.config, self.pool, self.slots, self.slots.allocate())
+        state = PagedState(self.config, self.pool, self.slots, self.tail_rings, self.slots.allocate())
         self.blocks.share(hit.pages)
         state.page_table = list(hit.pages)
         state.page_table += self._allocate(self._pages_for(hit.tokens + num_new) - len(hit.pages))

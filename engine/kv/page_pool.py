@@ -55,7 +55,8 @@ class PageLayout:
 class PagePool:
     def __init__(self, layout: PageLayout, num_pages: int, device, dtype: torch.dtype):
         self.layout, self.num_pages = layout, num_pages
-        self.pages = torch.zeros(num_pages, layout.page_numel, device=device, dtype=dtype)
+        self.scratch_page = num_pages  # one page more, never allocated: padded rows of a decode batch write there
+        self.pages = torch.zeros(num_pages + 1, layout.page_numel, device=device, dtype=dtype)
         self.entries: list[torch.Tensor | None] = []  # per layer [num_pages, rows, head_dim] views
         self.index_keys: list[torch.Tensor | None] = []
         for s in layout.layers:
@@ -69,7 +70,7 @@ class PagePool:
         return budget_bytes // max(1, layout.page_bytes(dtype))
 
     def _view(self, offset: int, rows: int, width: int) -> torch.Tensor:
-        return self.pages[:, offset : offset + rows * width].view(self.num_pages, rows, width)
+        return self.pages[:, offset : offset + rows * width].view(self.pages.shape[0], rows, width)
 
     def read_pages(self, page_ids: list[int]) -> torch.Tensor:
         """[len(page_ids), page_numel] copy (contiguous, on the pool's device)."""

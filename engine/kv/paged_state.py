@@ -1,23 +1,26 @@
-"""One sequence's state in shared storage: block KV through a page table, the window in a ring slot,
-compressor tails as small per-sequence tensors. Implements `engine.model.state.SequenceKV`."""
+"""One sequence's state in shared storage: block KV through a page table, the window and the
+compressor tails in rings of its slot. Implements `engine.model.state.SequenceKV`; a batch of them
+decodes through one `DecodeView`."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.kv.decode_view import DecodeView
 from engine.kv.page_pool import PagePool
 from engine.kv.swa import BoundaryState, SwaSlots
-from engine.kv.tails import Tails, clone_tails, pack_tails, unpack_tails
-from engine.model.config import CSA, ModelConfig
-from engine.model.state import PoolerTail, empty_tail
+from engine.kv.tails import TailRings, Tails, pack_tails, unpack_tails
+from engine.model.config import ModelConfig
+from engine.model.state import PoolerTail
 
 
 class PagedState:
-    def __init__(self, config: ModelConfig, pool: PagePool, slots: SwaSlots, slot: int):
-        self.config, self.pool, self.slots, self.slot = config, pool, slots, slot
+    decode_view_type = DecodeView  # how a decode step of paged states runs batched (see DeepseekV4.forward)
+
+    def __init__(self, config: ModelConfig, pool: PagePool, slots: SwaSlots, rings: TailRings, slot: int):
+        self.config, self.pool, self.slots, self.rings, self.slot = config, pool, slots, rings, slot
         self.num_tokens = 0
         self.page_table: list[int] = []
-        self.tails: Tails = _empty_tails(config, pool.pages.device, pool.pages.dtype)
         self.captured: dict[int, list] = {}  # boundary -> per layer (window, tail, index tail) copies
         self._page_index = torch.empty(0, dtype=torch.long, device=pool.pages.device)
 
@@ -40,15 +43,16 @@ class PagedState:
     def write_index_keys(self, layer: int, first: int, new: torch.Tensor) -> None:
         PagePool.scatter(self.pool.index_keys[layer], self.page_index(), first, new)
 
-    def tail(self, layer: int) -> PoolerTail | None:
-        return self.tails[layer][0]
+    def tail(self, layer: int, position: int, indexer: bool = False) -> PoolerTail | None:
+        key = (layer, indexer)
+        return self.rings.read(self.slot, key, position) if key in self.rings.shape else None
 
-    def index_tail(self, layer: int) -> PoolerTail | None:
-        return self.tails[layer][1]
+    def set_tail(self, layer: int, position: int, tail: PoolerTail, indexer: bool = False) -> None:
+        self.rings.write(self.slot, (layer, indexer), position, tail)
 
     def capture(self, layer: int, position: int) -> None:
-        tail, index_tail = self.tails[layer]
-        copies = (self.window(layer, position).clone(), *clone_tails([(tail, index_tail)])[0])
+        tail, index_tail = self.tail(layer, position), self.tail(layer, position, indexer=True)  # copies
+        copies = (self.window(layer, position).clone(), tail, index_tail)
         self.captured.setdefault(position, [None] * self.config.num_layers)[layer] = copies
 
     # ---- pages, boundaries, export ------------------------------------------------------------
@@ -73,7 +77,7 @@ class PagedState:
         """Window and tails as they stand now (any length; `BoundaryState` is exact at boundaries)."""
         layers = range(self.config.num_layers)
         windows = torch.stack([self.window(layer, self.num_tokens) for layer in layers])
-        tails = pack_tails(self.tails, self.config, self.num_tokens, self.pool.pages.dtype)
+        tails = pack_tails(self._tails(self.num_tokens), self.config, self.num_tokens, self.pool.pages.dtype)
         return BoundaryState(self.num_tokens, windows, tails)
 
     def load(self, state: BoundaryState) -> None:
@@ -82,15 +86,13 @@ class PagedState:
             raise ValueError(f"{state.num_tokens} tokens need more than {len(self.page_table)} pages")
         self.slots.load(self.slot, state.windows.to(self.pool.pages.device), state.num_tokens)
         device, dtype = self.pool.pages.device, self.pool.pages.dtype
-        self.tails = unpack_tails(state.tails, self.config, state.num_tokens, device, dtype)
+        tails = unpack_tails(state.tails, self.config, state.num_tokens, device, dtype)
+        for layer, (tail, index_tail) in enumerate(tails):
+            for indexer, t in ((False, tail), (True, index_tail)):
+                if t is not None:
+                    self.set_tail(layer, state.num_tokens, t, indexer)
         self.num_tokens = state.num_tokens
 
-
-def _empty_tails(config: ModelConfig, device, dtype) -> Tails:
-    tails: Tails = []
-    for layer in range(config.num_layers):
-        kind = config.layer_types[layer]
-        tail = empty_tail(config.head_dim, kind == CSA, device, dtype) if config.compress_ratio(layer) else None
-        index_tail = empty_tail(config.index_head_dim, True, device, dtype) if kind == CSA else None
-        tails.append((tail, index_tail))
-    return tails
+    def _tails(self, position: int) -> Tails:
+        return [(self.tail(layer, position), self.tail(layer, position, indexer=True))
+                for layer in range(self.config.num_layers)]

@@ -21,7 +21,8 @@ import torch
 class SwaSlots:
     def __init__(self, num_slots: int, num_layers: int, window: int, head_dim: int, device, dtype: torch.dtype):
         self.window = window
-        self.rings = torch.zeros(num_slots, num_layers, window, head_dim, device=device, dtype=dtype)
+        self.scratch = num_slots  # one ring more, never allocated: padded rows of a decode batch write there
+        self.rings = torch.zeros(num_slots + 1, num_layers, window, head_dim, device=device, dtype=dtype)
         self.free = list(range(num_slots - 1, -1, -1))
 
     @property

@@ -1,4 +1,6 @@
-"""Compressor tails <-> one flat tensor, in a layout fixed by the model config and the token count.
+"""Compressor tails: `TailRings` keeps them for running sequences; the flat form travels.
+
+Flat: compressor tails <-> one flat tensor, in a layout fixed by the model config and the token count.
 
 Order: for each compressed layer, its compressor tail, then (compressed-sparse layers) its
 indexer tail. Each tail is pending_kv [p, width], pending_gate [p, width], then, once the first
@@ -85,3 +87,61 @@ def unpack_tails(flat: torch.Tensor, config: ModelConfig, num_tokens: int, devic
 
 def clone_tails(tails: Tails) -> Tails:
     return [(None if a is None else a.clone(), None if b is None else b.clone()) for a, b in tails]
+
+
+class TailRings:
+    """The compressor tails of running sequences, preallocated per slot (like `SwaSlots`).
+
+    Each tail is a ring of the projected kv and raw gate of a sequence's last `span` tokens, token
+    p in row p % span: span = ratio for HCA; 2 * ratio for the overlapping CSA tails, whose previous
+    window (its first, "Ca" half is the overlap) sits in the other half of the ring. A decode step
+    then appends one row per tail and finds any window it completes in place, for a whole batch at
+    once; `read` / `write` convert to and from the `PoolerTail` form (pending + overlap) that the
+    prefill path and the flat wire layout use. Rows of positions older than the tail are stale.
+    """
+
+    def __init__(self, config: ModelConfig, num_slots: int, device, dtype: torch.dtype):
+        self.kv: dict[tuple[int, bool], torch.Tensor] = {}  # (layer, is_indexer) -> [slots + 1, span, width]
+        self.gate: dict[tuple[int, bool], torch.Tensor] = {}
+        self.shape: dict[tuple[int, bool], tuple[int, int, bool]] = {}  # -> (ratio, head_dim, overlap)
+        for layer, ratio, dim, is_indexer in tail_shapes(config, 0):
+            overlap = config.layer_types[layer] == CSA
+            span, width = (2 * ratio, 2 * dim) if overlap else (ratio, dim)
+            key = (layer, is_indexer)
+            self.kv[key] = torch.zeros(num_slots + 1, span, width, device=device, dtype=dtype)  # + SwaSlots.scratch
+            self.gate[key] = torch.zeros(num_slots + 1, span, width, device=device, dtype=dtype)
+            self.shape[key] = (ratio, dim, overlap)
+
+    def span(self, key: tuple[int, bool]) -> int:
+        return self.kv[key].shape[1]
+
+    def _rows(self, key, start: int, end: int) -> torch.Tensor:
+        return torch.arange(start, end, device=self.kv[key].device) % self.span(key)
+
+    def read(self, slot: int, key: tuple[int, bool], position: int) -> PoolerTail:
+        """The tail after `position` tokens: pending tokens, and the overlap once a window is done."""
+        ratio, dim, overlap = self.shape[key]
+        first_pending = position - position % ratio
+        rows = self._rows(key, first_pending, position)
+        kv, gate = self.kv[key][slot], self.gate[key][slot]
+        tail = PoolerTail(pending_kv=kv[rows], pending_gate=gate[rows])
+        if overlap and position >= ratio:
+            rows = self._rows(key, first_pending - ratio, first_pending)
+            tail.overlap_kv, tail.overlap_gate = kv[rows, :dim], gate[rows, :dim]
+        return tail
+
+    def write(self, slot: int, key: tuple[int, bool], position: int, tail: PoolerTail) -> None:
+        """Store the tail as it stands after `position` tokens (the inverse of `read`)."""
+        ratio, dim, _ = self.shape[key]
+        pending = tail.pending_kv.shape[0]
+        if pending != position % ratio:
+            raise ValueError(f"a tail after {position} tokens holds {position % ratio} pending, not {pending}")
+        kv, gate = self.kv[key][slot], self.gate[key][slot]
+        if pending:
+            rows = self._rows(key, position - pending, position)
+            kv.index_copy_(0, rows, tail.pending_kv.to(kv.dtype))
+            gate.index_copy_(0, rows, tail.pending_gate.to(gate.dtype))
+        if tail.overlap_kv is not None:
+            rows = self._rows(key, position - pending - ratio, position - pending)
+            kv[:, :dim].index_copy_(0, rows, tail.overlap_kv.to(kv.dtype))
+            gate[:, :dim].index_copy_(0, rows, tail.overlap_gate.to(gate.dtype))

@@ -1,7 +1,8 @@
 """V4 attention: shared-KV MQA over [sliding window | compressed entries] with per-head sinks.
 
 Projections run on the packed tokens of the whole batch; the compressors and the attention core
-run per sequence against that sequence's explicit state.
+run per sequence against that sequence's explicit state, or, for a decode step of paged states,
+batched over the sequences (`_attend_decode_batch`).
 """
 
 from __future__ import annotations
@@ -75,75 +76,62 @@ class Attention(nn.Module):
             packed["ikv"], packed["igate"] = indexer.project(x)
             packed["iq"] = indexer.queries(q_residual, cos, sin)
             packed["iw"] = indexer.scorer.head_weights(x)
-        if len(batch.states) > 1 and q.shape[0] == len(batch.states) and not any(batch.captures):
-            out = self._attend_decodes(q, kv, packed, batch.states)  # one new token per sequence
+        singles = 0 if batch.decode is None else batch.decode.num_rows  # leading one-token sequences
+        if singles == q.shape[0]:
+            out = self._attend_decode_batch(q, kv, packed, batch.decode)
         elif len(batch.states) == 1:
             out = self._attend_sequence(q, kv, packed, batch.states[0], batch.captures[0] if batch.captures else ())
         else:
             out = torch.empty_like(q)
-            for i, ((start, end), state) in enumerate(zip(batch.spans, batch.states)):
+            if singles:
+                head = {name: t[:singles] for name, t in packed.items()}
+                out[:singles] = self._attend_decode_batch(q[:singles], kv[:singles], head, batch.decode)
+            for i in range(singles, len(batch.states)):
+                (start, end), state = batch.spans[i], batch.states[i]
                 span = {name: t[start:end] for name, t in packed.items()}
                 captures = batch.captures[i] if batch.captures else ()
                 out[start:end] = self._attend_sequence(q[start:end], kv[start:end], span, state, captures)
         out = apply_rope(out, cos, -sin)
         return self.o_b_proj(self.o_a_proj(out.reshape(out.shape[0], self.o_groups, -1)))
 
-    def _attend_decodes(self, q, kv, packed: dict, states) -> torch.Tensor:
-        """Token i is the one new token of sequence i: the states advance one by one, then a single
-        softmax attention runs over every sequence's keys, zero-padded to the longest and masked."""
-        keys, masks, deferred = [], [], []
-        for i, state in enumerate(states):
-            span = {name: t[i : i + 1] for name, t in packed.items()}
-            before = len(deferred)
-            block_keys, mask = self._one_keys(kv[i : i + 1], span, state, state.num_tokens, deferred)
-            keys.append(block_keys)
-            masks.append(mask)
-            if len(deferred) == before:
-                deferred.append(None)
-        lengths = [k.shape[0] for k in keys]
-        longest = max(lengths)
-        padded = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)  # [B, K, D]
-        if any(d is not None for d in deferred):
-            mask = self._select_decodes(packed, deferred, lengths, longest, q.device)
-        elif all(m is None for m in masks):
-            valid = [[True] * n + [False] * (longest - n) for n in lengths]
-            mask = torch.tensor(valid, dtype=torch.bool).to(q.device, non_blocking=True)
-        else:
-            rows = [m[0] if m is not None else torch.ones(n, dtype=torch.bool, device=q.device)
-                    for m, n in zip(masks, lengths)]
-            mask = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=False)
-        logits = (torch.einsum("bhd,bkd->bhk", q, padded) * self.scale).float()
+    def _attend_decode_batch(self, q, kv, packed: dict, view) -> torch.Tensor:
+        """Token i is the one new token of sequence i: every sequence's state is read and advanced
+        by batched operations (`engine.kv.decode_view.DecodeView`), then one masked softmax runs
+        over each sequence's [window | entries]. The same keys and masks as `_one_keys`, padded."""
+        keys, mask = view.window(self.layer, kv)
+        if self.compressor is not None:
+            entries = self._advance_batch(view, False, self.compressor, packed["kv"], packed["gate"])
+            index_keys = None
+            if self.layer_type == CSA:
+                indexer = self.compressor.indexer
+                index_keys = self._advance_batch(view, True, indexer, packed["ikv"], packed["igate"])
+            if entries is not None:
+                entries, visible = entries
+                if index_keys is not None:
+                    scored = view.max_visible(self.ratio) > indexer.top_k
+                    visible = indexer.select_batched(packed["iq"], packed["iw"], index_keys[0], visible, scored)
+                keys, mask = torch.cat([keys, entries], dim=1), torch.cat([mask, visible], dim=1)
+        view.capture(self.layer)
+        return self._softmax_attend_batch(q, keys, mask)
+
+    def _advance_batch(self, view, indexer: bool, pooler: WindowPooler, kv, gate):
+        """Append the new tokens to the tails, pool the windows they complete into entries; return
+        (entries [B, E, d], visible [B, E]) as in `DecodeView.entries`."""
+        view.append_tail(self.layer, indexer, kv, gate)
+        if view.completes(self.ratio):
+            (window_kv, window_gate), (previous_kv, previous_gate, has_previous), starts = \
+                view.window_tokens(self.layer, indexer)
+            new = pooler.pool_windows(window_kv, window_gate, previous_kv, previous_gate, has_previous, starts)
+            view.write_entries(self.layer, indexer, new)
+        return view.entries(self.layer, indexer)
+
+    def _softmax_attend_batch(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`_softmax_attend` per sequence: q [B, H, D], keys [B, K, D], mask [B, K]."""
+        logits = (torch.einsum("bhd,bkd->bhk", q, keys) * self.scale).float()
         logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
         sinks = self.sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
         probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1]
-        return torch.einsum("bhk,bkd->bhd", probs.to(padded.dtype), padded)
-
-    def _select_decodes(self, packed: dict, deferred: list, lengths: list[int], longest: int, device):
-        """CSA decodes, batched: each query keeps the indexer's top-k of its visible entries (as
-        `Indexer.select`); sequence i's keys are [window (n_window_i) | entries (n_visible_i)]."""
-        indexer = self.compressor.indexer
-        n_window = [d[0] if d is not None else n for d, n in zip(deferred, lengths)]
-        n_visible = [d[1] if d is not None else 0 for d in deferred]
-        empty = packed["ikv"].new_zeros(0, indexer.head_dim)
-        index_keys = torch.nn.utils.rnn.pad_sequence([d[2] if d is not None else empty for d in deferred],
-                                                     batch_first=True)  # [B, E, d]
-        counts = torch.tensor([n_window, n_visible], dtype=torch.long).to(device, non_blocking=True)
-        entry = torch.arange(index_keys.shape[1], device=device)
-        visible = entry[None, :] < counts[1][:, None]
-        scorer = indexer.scorer
-        scores = torch.relu(torch.einsum("bhd,bed->bhe", packed["iq"].float(), index_keys.float()))
-        scores = (scores * scorer.softmax_scale * packed["iw"].unsqueeze(-1)).double().sum(dim=1).float()
-        scores = scores.masked_fill(~visible, float("-inf"))
-        top_k = min(indexer.top_k, scores.shape[1])
-        chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
-        selected = torch.zeros_like(visible).scatter_(1, chosen, True) & visible
-        key = torch.arange(longest, device=device)[None, :]
-        in_window = key < counts[0][:, None]
-        shifted = (key - counts[0][:, None]).clamp(0, max(index_keys.shape[1] - 1, 0))
-        if index_keys.shape[1] == 0:
-            return in_window & (key < torch.tensor(lengths, device=device)[:, None])
-        in_entries = selected.gather(1, shifted) & (key >= counts[0][:, None]) & (shifted < counts[1][:, None])
-        return in_window | in_entries
+        return torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys)
 
     def _attend_sequence(self, q, kv, span: dict, state: SequenceKV, captures=()) -> torch.Tensor:
         """One sequence's new tokens (positions state.num_tokens...); updates the state.
@@ -196,17 +184,21 @@ class Attention(nn.Module):
         if self.compressor is None:
             return None, None
         done, total = start // self.ratio, end // self.ratio
-        new = self.compressor.pool(span["kv"], span["gate"], state.tail(self.layer), done)
+        tail = state.tail(self.layer, start)
+        new = self.compressor.pool(span["kv"], span["gate"], tail, done)
+        state.set_tail(self.layer, end, tail)
         state.write_entries(self.layer, done, new)
         entries, index_keys = state.entries(self.layer, total), None
         if self.layer_type == CSA:
             indexer = self.compressor.indexer
-            new = indexer.pool(span["ikv"], span["igate"], state.index_tail(self.layer), done)
+            tail = state.tail(self.layer, start, indexer=True)
+            new = indexer.pool(span["ikv"], span["igate"], tail, done)
+            state.set_tail(self.layer, end, tail, indexer=True)
             state.write_index_keys(self.layer, done, new)
             index_keys = state.index_keys(self.layer, total)
         return entries, index_keys
 
-    def _one_keys(self, kv, span: dict, state: SequenceKV, position: int, deferred: list | None = None):
+    def _one_keys(self, kv, span: dict, state: SequenceKV, position: int):
         """One new token at `position` (decode): advance the state as `_attend_piece` does; return the
         keys it attends and their mask. Every window key and every visible entry is in the mask, so
         the only mask left is the CSA indexer's top-k (None when there is none)."""
@@ -220,9 +212,7 @@ class Attention(nn.Module):
         mask = None
         if entries is not None:
             if n_visible:
-                if self.layer_type == CSA and n_visible > self.compressor.indexer.top_k and deferred is not None:
-                    deferred.append((block_keys.shape[0] - n_visible, n_visible, index_keys[:n_visible]))
-                elif self.layer_type == CSA and n_visible > self.compressor.indexer.top_k:
+                if self.layer_type == CSA and n_visible > self.compressor.indexer.top_k:
                     positions = torch.tensor([position], device=kv.device)
                     entry_mask = self._entry_mask(positions, n_visible, span, index_keys, slice(0, 1))
                     mask = torch.cat([entry_mask.new_ones(1, block_keys.shape[0] - n_visible), entry_mask], dim=1)

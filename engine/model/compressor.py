@@ -54,10 +54,31 @@ class WindowPooler(nn.Module):
             tail.overlap_gate = gate[usable - m : usable, :d].clone()
         else:
             slot_kv, slot_gate = window_kv, window_gate
+        return self._finish(slot_kv, slot_gate, (first_entry + torch.arange(n_windows, device=kv.device)) * m)
+
+    def pool_windows(self, window_kv, window_gate, previous_kv, previous_gate, has_previous, starts) -> torch.Tensor:
+        """One window per row, for a batch of sequences at once (decode): entries [B, head_dim].
+
+        window_kv / window_gate [B, ratio, width]: the window's tokens in position order (raw gates);
+        starts [B]: its first position. CSA also takes the window before it (previous_* [B, ratio,
+        width], of which the first half is used) and has_previous [B] (False for window 0, which
+        pools no predecessor, as `pool` does).
+        """
+        window_gate = window_gate + self.position_bias
+        if not self.overlap:
+            return self._finish(window_kv, window_gate, starts)
+        d, keep = self.head_dim, has_previous[:, None, None]
+        previous_kv = torch.where(keep, previous_kv[..., :d], 0)
+        previous_gate = torch.where(keep, previous_gate[..., :d] + self.position_bias[:, :d], float("-inf"))
+        slot_kv = torch.cat([previous_kv, window_kv[..., d:]], dim=1)
+        slot_gate = torch.cat([previous_gate.to(window_gate.dtype), window_gate[..., d:]], dim=1)
+        return self._finish(slot_kv, slot_gate, starts)
+
+    def _finish(self, slot_kv: torch.Tensor, slot_gate: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """[n, slots, d] kv and biased gates -> n entries: gate-softmax pooling, RMSNorm, RoPE at `starts`."""
         weights = slot_gate.softmax(dim=1, dtype=torch.float32).to(slot_kv.dtype)
         pooled = self.kv_norm((slot_kv * weights).sum(dim=1))
-        positions = (first_entry + torch.arange(n_windows, device=kv.device)) * m
-        cos, sin = self.rotary.cos_sin(positions, pooled.dtype)
+        cos, sin = self.rotary.cos_sin(starts, pooled.dtype)
         return apply_rope(pooled, cos, sin)
 
     def _overlap_slots(self, window_kv, window_gate, tail: PoolerTail):
@@ -97,6 +118,11 @@ class IndexScorer(nn.Module):
         scores = torch.relu(torch.matmul(q.float(), keys.float().t())) * self.softmax_scale
         return (scores * head_weights.unsqueeze(-1)).double().sum(dim=1).float()
 
+    def batched(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+        """`forward` for one query per sequence: q [B, h, d], keys [B, E, d], head_weights [B, h] -> [B, E]."""
+        scores = torch.relu(torch.einsum("bhd,bed->bhe", q.float(), keys.float())) * self.softmax_scale
+        return (scores * head_weights.unsqueeze(-1)).double().sum(dim=1).float()
+
 
 class Indexer(WindowPooler):
     """Lightning indexer: its own overlapping compressor of small keys plus multi-head scoring."""
@@ -126,3 +152,12 @@ class Indexer(WindowPooler):
         chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
         selected = torch.zeros_like(visible).scatter_(1, chosen, True)
         return selected & visible
+
+    def select_batched(self, q, head_weights, keys, visible: torch.Tensor, scored: bool) -> torch.Tensor:
+        """`select` for one query per sequence: keys [B, E, d] padded, visible [B, E] -> [B, E] bool.
+        `scored` False (no sequence sees more than top_k entries): every visible entry."""
+        if not scored:
+            return visible
+        scores = self.scorer.batched(q, keys, head_weights).masked_fill(~visible, float("-inf"))
+        chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+        return torch.zeros_like(visible).scatter_(1, chosen, True) & visible

@@ -15,6 +15,7 @@ from torch import nn
 from engine.model.attention import Attention
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
+from engine.model.decode_graph import DecodeGraphs
 from engine.model.hyper import HyperConnection, HyperHead, merge_streams
 from engine.model.moe import MoE
 from engine.model.norms import RMSNorm
@@ -68,6 +69,8 @@ class DeepseekV4(nn.Module):
         }
         self.model = Backbone(config, self.rotaries)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.batched_decode = True  # False: decode steps of paged states take the per-sequence path too
+        self.decode_graphs = DecodeGraphs(self)  # CUDA only; .enabled = False for the eager batched path
 
     @property
     def device(self) -> torch.device:
@@ -98,11 +101,25 @@ class DeepseekV4(nn.Module):
         """
         if len(chunks) != len(states) or not chunks:
             raise ValueError("need one state per chunk and at least one chunk")
+        checked = _checked_captures(captures, chunks, states) if captures is not None else []
+        # the leading sequences that add one token each run batched (decodes come first in a step)
+        singles = next((i for i, c in enumerate(chunks) if c.dim() != 1 or c.numel() != 1), len(chunks))
+        one_each = singles == len(chunks)
+        view_type = getattr(states[0], "decode_view_type", None)  # the states' batched decode, if any
+        batched = (singles > 0 and self.batched_decode and view_type is not None
+                   and view_type.supports(list(states[:singles])))
+        if batched and one_each and not any(checked):  # captures copy state on the host: never in a graph
+            logits = self.decode_graphs.run(torch.cat(list(chunks)).to(self.device, torch.long), list(states), view_type)
+            if logits is not None:
+                for state in states:
+                    state.num_tokens += 1
+                return logits
         batch = self._pack(chunks, states)
-        if captures is not None:
-            batch.captures = _checked_captures(captures, chunks, states)
+        batch.captures = checked
+        if batched:
+            batch.decode = view_type(list(states[:singles]), checked[:singles])
         hidden = self.model(batch)
-        if not all_logits:
+        if not all_logits and not one_each:
             hidden = hidden[torch.tensor([end - 1 for _, end in batch.spans], device=hidden.device)]
         for state, (start, end) in zip(states, batch.spans):
             state.num_tokens += end - start

@@ -76,6 +76,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         if _grouped_mm_ok(x, self.gate_up_proj):
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                return self._grouped(x, weights, experts)  # no fallback while a graph captures: it would sync
             try:
                 return self._grouped(x, weights, experts)
             except RuntimeError:  # a grouped-matmul kernel refusing these shapes: loop from now on
@@ -83,7 +85,8 @@ class RoutedExperts(nn.Module):
         return self._looped(x, weights, experts)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """All experts in two grouped matmuls over the expert-sorted token slots: no host sync.
+        """All experts in two grouped matmuls over the expert-sorted token slots: no host sync (so it
+        can be captured in a CUDA graph).
 
         Rounding as the per-expert loop: each slot's weighted output is cast to the activation
         dtype, and a token's k outputs add up in that dtype in ascending expert order.
@@ -91,7 +94,9 @@ class RoutedExperts(nn.Module):
         n_tokens, k = experts.shape
         flat_experts = experts.flatten()
         order = torch.argsort(flat_experts, stable=True)
-        offs = torch.cumsum(torch.bincount(flat_experts, minlength=self.n_experts), 0).to(torch.int32)
+        # group ends: slots with expert <= e. (bincount would read its input's max on the host: a sync)
+        experts_ids = torch.arange(self.n_experts, device=x.device, dtype=flat_experts.dtype)
+        offs = torch.searchsorted(flat_experts[order], experts_ids, right=True).to(torch.int32)
         xs = x[order // k]
         gate, up = _grouped_mm(xs, self.gate_up_proj.transpose(-1, -2), offs).chunk(2, dim=-1)
         y = _grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj.transpose(-1, -2), offs)

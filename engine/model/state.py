@@ -12,7 +12,8 @@ windows + the tails, and rebuild it; a rebuilt state continues bit-identically.
 
 Attention reaches a state only through the `SequenceKV` methods, so storage is the state's
 business: `SequenceState` keeps contiguous tensors (the simple oracle); `engine.kv.PagedState`
-keeps block KV in pool pages through a page table and the window in a ring.
+keeps block KV in pool pages through a page table, and the window and the tails in per-slot rings
+(which also lets a decode step of many paged sequences run batched: `engine.kv.decode_view`).
 """
 
 from __future__ import annotations
@@ -74,9 +75,12 @@ class SequenceKV(Protocol):
 
     def write_index_keys(self, layer: int, first: int, new: torch.Tensor) -> None: ...
 
-    def tail(self, layer: int) -> PoolerTail | None: ...
+    def tail(self, layer: int, position: int, indexer: bool = False) -> PoolerTail | None:
+        """The compressor (or CSA indexer) tail as it stands at `position`; callers may change it in
+        place and hand it back with `set_tail`."""
 
-    def index_tail(self, layer: int) -> PoolerTail | None: ...
+    def set_tail(self, layer: int, position: int, tail: PoolerTail, indexer: bool = False) -> None:
+        """Keep `tail` as the layer's tail at `position`."""
 
     def capture(self, layer: int, position: int) -> None:
         """Keep a copy of the layer's window and tails as they stand at `position` (a block boundary)."""
@@ -119,11 +123,15 @@ class SequenceState:
         state = self.layers[layer]
         state.index_keys = torch.cat([state.index_keys[:first], new])
 
-    def tail(self, layer: int) -> PoolerTail | None:
-        return self.layers[layer].tail
+    def tail(self, layer: int, position: int, indexer: bool = False) -> PoolerTail | None:
+        state = self.layers[layer]
+        return state.index_tail if indexer else state.tail
 
-    def index_tail(self, layer: int) -> PoolerTail | None:
-        return self.layers[layer].index_tail
+    def set_tail(self, layer: int, position: int, tail: PoolerTail, indexer: bool = False) -> None:
+        if indexer:
+            self.layers[layer].index_tail = tail
+        else:
+            self.layers[layer].tail = tail
 
     def capture(self, layer: int, position: int) -> None:
         raise NotImplementedError("the contiguous state keeps no boundary captures; use engine.kv.PagedState")

@@ -74,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=_int_list, help="context lengths, comma-separated (default 2048,8192)")
     parser.add_argument("--max-batched-tokens", type=int, default=8192,
                         help="engine tokens per step while prefilling (default 8192)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run our decode steps eagerly (batched) instead of replaying CUDA graphs")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="skip measurements that would end the run later than this (default 450 s)")
 
@@ -175,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         ours = Ours(bench, model, model_dir, device, plan, cells, args.max_batched_tokens, prompts)
         big = max(cells, key=lambda c: c.batch * c.context)
         ours.measure([c for c in cells if c != big])
+        ours.release_graphs()  # their memory pools would otherwise be taken from HF
         _free(device)
         if not args.skip_hf:
             HF(bench, model, raw, config, device, dtype, plan, prompts).measure(cells)
@@ -237,11 +240,13 @@ class Ours:
         wanted = max(self._pages(c) for c in cells) + 8
         self.num_pages, self.pool_note = _fit_pages(model, device, wanted)
         self.engine = build_engine(model, model_dir, device, num_pages=self.num_pages, max_num_seqs=max_batch,
-                                   max_batched_tokens=max_batched_tokens)
+                                   max_batched_tokens=max_batched_tokens, cuda_graphs=not bench.args.no_cuda_graphs)
         bench.doc["ours_engine"] = {"num_pages": self.num_pages, "pages_wanted": wanted, "pool_note": self.pool_note,
                                     "page_bytes": self.engine.kv.pool.layout.page_bytes(model.dtype),
-                                    "max_num_seqs": max_batch, "max_batched_tokens": max_batched_tokens}
+                                    "max_num_seqs": max_batch, "max_batched_tokens": max_batched_tokens,
+                                    "cuda_graphs": not bench.args.no_cuda_graphs}
         self.prefill_rate = None  # tokens/s seen last, for the time-budget estimate
+        self.graphs_captured = 0  # CUDA graphs of decode steps captured so far (released before HF runs)
         self.step_s: dict[int, float] = {}
         self._warm_up()
 
@@ -345,7 +350,14 @@ class Ours:
             row["profile"] = profile
         return row
 
+    def release_graphs(self) -> None:
+        graphs = self.model.decode_graphs
+        self.graphs_captured += len(graphs.graphs)
+        self.bench.doc["ours_engine"].update(graphs_captured=self.graphs_captured, graphs_error=graphs.error)
+        graphs.clear()
+
     def close(self) -> None:
+        self.release_graphs()
         self.engine = None
         _free(self.device)
 

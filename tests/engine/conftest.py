@@ -86,3 +86,19 @@ def greedy_alone(tiny_model):
         return cache[length, new_tokens]
 
     return get
+
+
+@pytest.fixture
+def per_sequence_decode():
+    """model -> the same model with decode steps of paged states on the per-sequence path (the
+    reference for the batched one) until the test ends."""
+    touched = []
+
+    def use(model):
+        touched.append((model, model.batched_decode))
+        model.batched_decode = False
+        return model
+
+    yield use
+    for model, previous in reversed(touched):
+        model.batched_decode = previous

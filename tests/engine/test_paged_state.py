@@ -17,13 +17,13 @@ CHUNKS = (1, 7, 61, 3, 129, 33, 200)
 
 def paged_state(model, num_pages: int = 16) -> PagedState:
     kv = KVCache(model.config, num_pages, num_slots=2, device="cpu", dtype=torch.float32)
-    state = PagedState(model.config, kv.pool, kv.slots, kv.slots.allocate())
+    state = PagedState(model.config, kv.pool, kv.slots, kv.tail_rings, kv.slots.allocate())
     state.page_table = list(reversed(kv.blocks.allocate(num_pages)))  # pages out of order on purpose
     return state
 
 
-def test_paged_state_matches_the_contiguous_state_bit_for_bit(tiny_model):
-    model = tiny_model(1)
+def test_paged_state_matches_the_contiguous_state_bit_for_bit(tiny_model, per_sequence_decode):
+    model = per_sequence_decode(tiny_model(1))  # the batched decode path is checked in test_decode_batch.py
     prompt = make_prompt(sum(CHUNKS), 1)
     paged, contiguous = paged_state(model), model.new_state()
     start = 0
