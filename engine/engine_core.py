@@ -45,6 +45,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped by the pool)
     swa_cache_bytes: int = 1 << 30  # host memory for window + tail states saved at cached block boundaries
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA devices only; eager otherwise)
+    # CPU threads of this process's torch ops; 0 leaves torch's default (one per core). Engines that
+    # share a machine (a prefill and a decode worker) each want their share: oversubscribed OpenMP
+    # threads spin against each other and a step can take 10x longer.
+    torch_threads: int = 0
 
     def __post_init__(self):
         if not self.model_dir:
@@ -60,6 +64,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len!r}")
+        if not isinstance(self.torch_threads, int) or self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be an int >= 0, got {self.torch_threads!r}")
         if self.swa_cache_bytes < 0:
             raise ValueError(f"swa_cache_bytes must be >= 0, got {self.swa_cache_bytes}")
         if self.batch_invariant and self.max_batched_tokens < BLOCK_SIZE + self.max_num_seqs:
@@ -104,6 +110,8 @@ class EngineStats:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)   # process-wide: an engine owns its process
         self.model = load_model(config.model_dir, config.device, config.dtype)
         self.model.decode_graphs.enabled = config.cuda_graphs
         model_config = self.model.config

@@ -12,6 +12,7 @@ BENCH_MODULES = (
     "ops.bench.gateway",   # bench gateway: adapter vs bare deepseek-recipe (prepare, stream, loop lag)
     "ops.bench.kv",        # bench kv: KV store vs plain file I/O, prefix lookups at 1M blocks
     "ops.bench.engine",    # bench engine: EngineCore vs transformers DeepseekV4 vs the memory floor
+    "ops.bench.stack",     # bench stack: the E/P/D stack over HTTP vs the engine alone (TTFT, tokens/s)
 )
 
 

@@ -32,7 +32,8 @@ from services.workers.engine_thread import EngineThread
 
 WRITE_BATCH_BLOCKS = 256   # pages per KvWritePages / hashes per SwaRegister (both services cap a message)
 ENGINE_KEYS = ("model_dir", "device", "dtype", "num_pages", "max_num_seqs", "max_batched_tokens",
-               "enable_prefix_cache", "batch_invariant", "max_model_len", "swa_cache_bytes")
+               "enable_prefix_cache", "batch_invariant", "max_model_len", "swa_cache_bytes", "cuda_graphs",
+               "torch_threads")   # engine.engine_core.EngineConfig's fields (a test keeps them equal)
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,6 +104,8 @@ class EngineWorker(Service):
         self.blocks_persisted = 0
         self.states_registered = 0
 
+    after_step = None   # a subclass's fn(engine, outputs), run on the engine thread after each step (EngineThread)
+
     def base_handlers(self):
         return {SwaFetch: self._on_swa_fetch, KvWriteAck: self._on_ack, SwaAck: self._on_ack,
                 ErrorReply: self._on_error_reply}
@@ -115,7 +118,7 @@ class EngineWorker(Service):
         started = time.monotonic()
         engine = await loop.run_in_executor(None, EngineCore, engine_config)
         self.engine_thread = EngineThread(engine, self._on_outputs, self._on_engine_failure, loop,
-                                          name=f"engine-{self.config.instance}")
+                                          name=f"engine-{self.config.instance}", after_step=self.after_step)
         self.engine_thread.start()
         self._engine_stats = engine.stats()
         self.model_id = engine.model_id

@@ -3,6 +3,10 @@
 The engine is not thread-safe: every call into it happens on the engine thread. The event loop
 submits commands (add, abort, snapshot, ...) through a queue that the thread drains between
 steps; step outputs come back to the loop through `call_soon_threadsafe`.
+
+A command waits for the step in progress. Work that must follow a step at once (the prefill
+worker's hand-off snapshot) goes in `after_step`, which runs on this thread right after each step
+that produced outputs; its result travels to the loop with them: `on_outputs(outputs, result)`.
 """
 from __future__ import annotations
 
@@ -15,10 +19,12 @@ import structlog
 
 
 class EngineThread:
-    def __init__(self, engine, on_outputs: Callable[[list], None], on_failure: Callable[[Exception], None],
-                 loop: asyncio.AbstractEventLoop, name: str = "engine"):
+    def __init__(self, engine, on_outputs: Callable[..., None], on_failure: Callable[[Exception], None],
+                 loop: asyncio.AbstractEventLoop, name: str = "engine",
+                 after_step: Callable[[Any, list], Any] | None = None):
         self.engine = engine
         self._on_outputs = on_outputs
+        self._after_step = after_step
         self._on_failure = on_failure
         self._loop = loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -58,7 +64,9 @@ class EngineThread:
                 self._loop.call_soon_threadsafe(self._on_failure, exc)
                 continue
             self.steps += 1
-            if outputs:
+            if outputs and self._after_step is not None:
+                self._loop.call_soon_threadsafe(self._on_outputs, outputs, self._after_step(self.engine, outputs))
+            elif outputs:
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs)
 
     def _drain_commands(self, block: bool) -> None:

@@ -130,7 +130,7 @@ class PrefillWorker(EngineWorker):
             except ValueError as exc:
                 raise InvalidRequest(str(exc), request_id=rid) from None
             added = True
-            out = await job.future
+            out, taken = await job.future
             job.prefilled = True
             prefilled_at = time.time()
             hit = out.num_cached_tokens
@@ -138,7 +138,7 @@ class PrefillWorker(EngineWorker):
                 added = False
                 self._send_last_chunk(request.return_address, rid, ctx.span, out)
             else:
-                await self._hand_off(msg, rid, ctx.span, out)
+                await self._hand_off(msg, rid, ctx.span, out, taken)
                 added = False
             self._in_background(self._advertise_prompt_states(request, rid, ctx.span))
             self.log.info("request.prefilled", request_id=rid, prompt_tokens=prompt_len, hit_tokens=hit,
@@ -174,8 +174,14 @@ class PrefillWorker(EngineWorker):
         held = await self.engine(lambda engine: [h for h in hashes if h in engine.kv.boundaries])
         self.advertise_states(held, rid, span)
 
-    async def _hand_off(self, msg: PrefillWork, rid: str, span: SpanContext, out) -> None:
-        snapshot, buffers = await self.engine(lambda engine, r: engine.snapshot(r), rid)
+    async def _hand_off(self, msg: PrefillWork, rid: str, span: SpanContext, out, taken) -> None:
+        """`taken`: the snapshot `after_step` took right after the prompt's step (or the error it
+        raised); None only if the step's outputs came without one (then ask the engine now)."""
+        if isinstance(taken, Exception):
+            raise EngineFailed(f"snapshot for the hand-off failed: {taken!r}", request_id=rid)
+        if taken is None:
+            taken = await self.engine(lambda engine, r: engine.snapshot(r), rid)
+        snapshot, buffers = taken
         logprobs, top_logprobs = logprob_fields(out)
         handoff = StateHandoff(msg.request, snapshot, list(range(len(buffers))), list(out.new_token_ids),
                                logprobs, top_logprobs)
@@ -276,14 +282,28 @@ class PrefillWorker(EngineWorker):
             job.future.set_exception(Aborted(f"aborted: {msg.reason or 'client'}", request_id=job.request_id))
         self.log.info("request.aborted", request_id=job.request_id, reason=msg.reason or "client")
 
-    def _on_outputs(self, outputs: list) -> None:
+    @staticmethod
+    def after_step(engine, outputs: list) -> dict:
+        """On the engine thread, right after a step: the hand-off snapshot of every prompt it
+        finished. Asked for later through `engine()`, the snapshot would wait for the next step
+        (a whole prefill chunk) before the decode worker could start."""
+        taken = {}
+        for out in outputs:
+            if out.prefilled and out.finish_reason is None:
+                try:
+                    taken[out.request_id] = engine.snapshot(out.request_id)
+                except Exception as exc:   # noqa: BLE001 - reported to the request, not the thread
+                    taken[out.request_id] = exc
+        return taken
+
+    def _on_outputs(self, outputs: list, taken: dict | None = None) -> None:
         self._engine_stats = self.engine_thread.engine.stats()
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None or job.future is None or job.future.done():
                 continue
             if out.prefilled or out.finish_reason is not None:
-                job.future.set_result(out)
+                job.future.set_result((out, (taken or {}).get(out.request_id)))
 
     def _on_engine_failure(self, exc: Exception) -> None:
         for job in self.jobs.values():

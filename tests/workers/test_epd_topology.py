@@ -79,3 +79,11 @@ def test_worker_settings_refuse_unknown_keys_and_bad_values():
         WorkerSettings.from_mapping({"model_dir": "m", "handoff_timeout_s": 0})
     with pytest.raises(ValueError, match="capacity"):
         WorkerSettings.from_mapping({"model_dir": "m", "capacity": -1})
+
+
+def test_worker_settings_know_every_engine_config_field():
+    import dataclasses
+
+    from engine.engine_core import EngineConfig
+    from services.workers.common import ENGINE_KEYS
+    assert set(ENGINE_KEYS) == {f.name for f in dataclasses.fields(EngineConfig)}
