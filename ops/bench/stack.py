@@ -52,6 +52,8 @@ def register(subparsers) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
     parser.add_argument("--min-prompt", type=int, default=100, help="shortest prompt in tokens (default 100)")
     parser.add_argument("--max-prompt", type=int, default=1500, help="longest prompt in tokens (default 1500)")
+    parser.add_argument("--engine-threads", type=int, default=0,
+                        help="torch CPU threads of the engine alone (default 0: torch's default, every core)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the request set (default 0)")
     parser.add_argument("--budget-s", type=float, help="start no new round after this many seconds of measuring")
     parser.add_argument("--model-dir", default=DEFAULT_MODEL,
@@ -108,6 +110,8 @@ def _check_args(args: argparse.Namespace) -> str:
         return "need 1 <= --min-prompt <= --max-prompt"
     if args.budget_s is not None and args.budget_s <= 0:
         return "--budget-s must be > 0"
+    if args.engine_threads < 0:
+        return "--engine-threads must be >= 0"
     return ""
 
 
@@ -140,8 +144,9 @@ def measure(args: argparse.Namespace, stack, topology: str) -> dict:
     prompt_range = (args.min_prompt, args.max_prompt)
     rounds = workload.requests(args.rounds, args.streams, prompt_range, args.max_tokens, args.seed)
     warmup = workload.requests(1, args.streams, prompt_range, WARMUP_TOKENS, args.seed + 1, label="warmup")[0]
-    settings = stack.engine_settings()
-    _progress(f"loading the engine ({settings['model_dir']}, dtype {settings.get('dtype')})")
+    settings = {**stack.engine_settings(), "torch_threads": args.engine_threads}
+    _progress(f"loading the engine ({settings['model_dir']}, dtype {settings.get('dtype')}, "
+              f"torch threads {args.engine_threads or 'default'})")
     engine = EngineSide(settings)
     _progress(f"starting the stack (topology {topology}, ports {stack.port_base}+, HTTP {stack.url})")
     with stack:

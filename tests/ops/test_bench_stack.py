@@ -90,6 +90,8 @@ def test_an_unknown_topology_or_a_missing_model_is_a_clear_error_before_anything
     assert run_bench(["--model-dir", str(tmp_path / "missing")]) == 2
     assert "no model at" in capsys.readouterr().err
     assert run_bench(["--streams", "0"]) == 2
+    assert run_bench(["--engine-threads", "-1"]) == 2
+    assert "--engine-threads must be >= 0" in capsys.readouterr().err
 
 
 def test_fixed_peer_addresses_move_with_the_port_base_and_named_peers_stay():
