@@ -35,6 +35,17 @@ def _epoch_ts(_, __, event_dict):
     return event_dict
 
 
+class _CurrentStdout:
+    """sys.stdout as it is at each write, not at configuration: whoever swaps stdout later (a
+    test's capture, a redirect) gets the lines, and no logger is left writing to a closed stream."""
+
+    def write(self, text: str) -> int:
+        return sys.stdout.write(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+
 def configure_logging(level: str = "info", stream=None) -> None:
     if level not in _LEVELS:
         raise ValueError(f"log level must be one of {sorted(_LEVELS)}")
@@ -48,7 +59,7 @@ def configure_logging(level: str = "info", stream=None) -> None:
             structlog.processors.JSONRenderer(serializer=lambda obj, **kw: json.dumps(obj, default=str)),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stdout),
+        logger_factory=structlog.PrintLoggerFactory(stream or _CurrentStdout()),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()

@@ -14,6 +14,7 @@ import asyncio
 import os
 import signal
 import time
+import traceback
 from typing import Awaitable, Callable
 
 import structlog
@@ -355,10 +356,20 @@ class Service:
         while True:
             await asyncio.sleep(self.config.heartbeat_s / 2)
             for peer in self.members.expire(time.monotonic()):
-                self.log.warning("peer.dead", peer=peer.instance, peer_kind=peer.kind, address=peer.address)
-                self.drop_link(peer.address)
-                self.on_peer_dead(peer)
+                try:
+                    self.log.warning("peer.dead", peer=peer.instance, peer_kind=peer.kind, address=peer.address)
+                    self.drop_link(peer.address)
+                    self.on_peer_dead(peer)
+                except Exception:   # noqa: BLE001 - one failing hook must not end dead-peer detection
+                    self._report_failure("peer.dead_hook_failed", peer.instance)
             self.metrics.peers_alive.set(len(self.members.alive()))
+
+
+    def _report_failure(self, event: str, peer: str) -> None:
+        try:
+            self.log.exception(event, peer=peer)
+        except Exception:   # noqa: BLE001 - the log itself failed (a closed stream): stderr is all that is left
+            traceback.print_exc()
 
 
 def _expire(future: asyncio.Future) -> None:

@@ -144,3 +144,47 @@ async def test_one_summary_line_per_request_with_trace_fields(tmp_path):
     assert s["instance"] == "server" and s["sender"] == "client" and s["outcome"] == "ok"
     assert len(s["trace_id"]) == 32 and len(s["span_id"]) == 16
     assert s["handle_ms"] >= 0 and s["queue_ms"] >= 0
+
+
+class TestHelperHookFailingService(Service):
+    """Test-only: its on_peer_dead raises for the first dead peer (a bug) and records every call."""
+
+    kind = "test_helper_hook_failing"
+    __test__ = False
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.dead_seen: list[str] = []
+
+    def on_peer_dead(self, peer) -> None:
+        self.dead_seen.append(peer.instance)
+        if len(self.dead_seen) == 1:
+            raise RuntimeError("hook bug")
+
+
+async def test_a_failing_peer_dead_hook_does_not_end_dead_peer_detection(tmp_path):
+    from tests.helpers.test_helper_async import eventually
+    fast = {"heartbeat_s": 0.05, "dead_after": 3}
+    hub, hub_task = await start(TestHelperHookFailingService, tmp_path, "hub", **fast)
+    members = [await start(Service, tmp_path, f"m{i}", upstream=hub.config.advertise, **fast) for i in range(2)]
+    await eventually(lambda: len(hub.members.alive()) == 2, what="both registered")
+    for i, (member, task) in enumerate(members):
+        member.stop()
+        assert await task == 0
+        await eventually(lambda: len(hub.dead_seen) == i + 1, what=f"m{i} declared dead")
+    assert hub.dead_seen == ["m0", "m1"]   # the first hook's exception did not stop the second
+    hub.stop()
+    assert await hub_task == 0
+
+
+def test_logs_follow_stdout_as_it_is_when_written(monkeypatch):
+    first, later = io.StringIO(), io.StringIO()
+    monkeypatch.setattr("sys.stdout", first)
+    configure_logging("info")   # configured while `first` is stdout (a test's capture, say) ...
+    try:
+        monkeypatch.setattr("sys.stdout", later)
+        first.close()   # ... which is then closed: logging must neither fail nor write there
+        structlog.get_logger().info("after.swap", n=1)
+    finally:
+        structlog.reset_defaults()
+    assert json.loads(later.getvalue())["event"] == "after.swap"
