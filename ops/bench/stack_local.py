@@ -119,15 +119,15 @@ class LocalStack:
                          key=lambda s: WORKER_KINDS.index(s.kind))
         if not workers:
             raise ValueError(f"topology {self.topology.source} has no worker ({', '.join(WORKER_KINDS)})")
+        # torch_threads splits the cores between the stack's engine processes, so it may differ per
+        # worker; the engine alone is one process and gets --engine-threads (default: every core)
+        fields.discard("torch_threads")
         settings = [{k: v for k, v in s.options.get("settings", {}).items() if k in fields} for s in workers]
         for spec, other in zip(workers[1:], settings[1:]):
             if other != settings[0]:
                 raise ValueError(f"workers {workers[0].name} and {spec.name} run different engines "
                                  f"({settings[0]} vs {other}): no single baseline to compare with")
-        # torch_threads splits the cores between the stack's engine processes; the engine alone
-        # is one process and gets torch's default (every core), as a one-engine deployment would
-        engine = {k: v for k, v in settings[0].items() if k != "torch_threads"}
-        return {**engine, "model_dir": str(self.workdir / settings[0]["model_dir"])}
+        return {**settings[0], "model_dir": str(self.workdir / settings[0]["model_dir"])}
 
     def gateway_settings(self) -> dict:
         gateways = [s for s in self.topology.services if s.kind == "gateway"]

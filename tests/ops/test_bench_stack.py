@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +134,15 @@ def test_outputs_that_differ_are_mismatches_and_the_summary_pairs_requests():
     assert summary["engine"]["cpu_ms_per_token"] == 125.0 and summary["stack"]["cpu_ms_per_token"] == 200.0
     assert summary["cpu_per_token_ratio"] == 1.4
     assert (summary["added_ttft_ms_p50"], summary["added_ttft_ms_p99"]) == (200.0, 200.0)   # 50 ms and 200 ms
+
+
+def test_the_baseline_engine_takes_the_workers_settings_but_not_their_thread_split(tmp_path, tiny_model_dir):
+    from ops.bench.stack_local import LocalStack
+    default = LocalStack("default", tiny_model_dir, tmp_path / "default").engine_settings()
+    assert "torch_threads" not in default and default["dtype"] == "float32"
+    assert default["model_dir"].startswith(str((tmp_path / "default").resolve()))
+    text = (Path(__file__).parents[2] / "ops/topologies/default.toml").read_text()
+    differs = tmp_path / "differs.toml"
+    differs.write_text(text.replace('dtype = "float32"\n', 'dtype = "bfloat16"\n', 1))
+    with pytest.raises(ValueError, match="run different engines"):
+        LocalStack(str(differs), tiny_model_dir, tmp_path / "differs").engine_settings()
