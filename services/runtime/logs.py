@@ -18,11 +18,15 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 # The request being handled (request_id, trace_id, span_id, parent_span_id): set by the service
 # shell around each handler; one ContextVar set/reset is far cheaper than structlog's bind per field.
-REQUEST_FIELDS: ContextVar[dict | None] = ContextVar("epd_request_fields", default=None)
+# Either a dict of those fields or an object whose log_fields() returns it (the shell sets its
+# Context: the dict is only built when a line is written).
+REQUEST_FIELDS: ContextVar = ContextVar("epd_request_fields", default=None)
 
 
 def _merge_request_fields(_, __, event_dict):
     fields = REQUEST_FIELDS.get()
+    if fields is not None and not isinstance(fields, dict):
+        fields = fields.log_fields()
     if fields:
         for key, value in fields.items():
             event_dict.setdefault(key, value)

@@ -5,16 +5,23 @@ sockets, decoding, a bounded inbound queue, dispatch, replies, request/reply cal
 membership of the peers that register with it, the link to its own upstream, lifecycle
 (STARTING -> RUNNING -> DRAINING -> STOPPED) and the per-request summary log line.
 
+Dispatch: an accepted request starts at once while fewer than `concurrency` handlers run, else it
+waits in the bounded backlog (`queue_size`; beyond it the sender gets OVERLOADED) and starts when a
+handler ends. Every handler runs in a task of its own (so asyncio.timeout, TaskGroup and
+current_task() behave as anywhere), in a copy of the receiving context.
+
 Handlers return None or a Message (sent back as the reply). A WireError raised by a handler
 becomes an ErrorReply; any other exception becomes an INTERNAL ErrorReply and an error log.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import signal
 import time
 import traceback
+from collections import deque
 from typing import Awaitable, Callable
 
 import structlog
@@ -59,10 +66,14 @@ class Service:
             Drain: self._on_drain, Echo: self._on_echo, **self.handlers()}
         self._zmq: zmq.Context | None = None
         self._links: dict[str, Link] = {}
-        self._pending: dict[str, tuple[asyncio.Future, str]] = {}   # msg id -> (reply future, address)
-        self._queue: asyncio.Queue[Context] | None = None
+        self._pending: dict[str, tuple[asyncio.Future, str, float]] = {}   # msg id -> (reply future, address, deadline)
+        self._sweep: asyncio.TimerHandle | None = None   # one timer for every call's timeout: the earliest deadline
+        self._sweep_at = 0.0
+        self._backlog: deque[tuple[Context, contextvars.Context]] = deque()   # accepted, waiting for a free slot
+        self._running = 0                          # request handlers running (<= config.concurrency)
+        self._handler_tasks: set[asyncio.Task] = set()   # running handler tasks (cancelled at stop)
         self._tasks: list[asyncio.Task] = []
-        self._active = 0
+        self._active = 0                           # accepted requests not yet finished (backlog + running)
         self._stopped: asyncio.Event | None = None
         self._drain_task: asyncio.Task | None = None
 
@@ -81,7 +92,7 @@ class Service:
         return self._active
 
     def load(self) -> Load:
-        return Load(queue_depth=self._queue.qsize() if self._queue else 0, in_flight=self.in_flight())
+        return Load(queue_depth=len(self._backlog), in_flight=self.in_flight())
 
     def on_upstream_lost(self) -> None:
         """Our upstream stopped answering (we reconnect with back-off); a subclass fails what it awaits."""
@@ -97,11 +108,10 @@ class Service:
         """Serve until stopped; returns the process exit code."""
         loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        self._queue = asyncio.Queue(self.config.queue_size)
         if install_signals:
             loop.add_signal_handler(signal.SIGTERM, self.begin_drain)
             loop.add_signal_handler(signal.SIGINT, self.begin_drain)
-        self.metrics.queue_depth.set_function(lambda: self._queue.qsize())
+        self.metrics.queue_depth.set_function(lambda: len(self._backlog))
         self.metrics.in_flight.set_function(self.in_flight)
         self._zmq = zmq.Context()
         try:
@@ -112,8 +122,6 @@ class Service:
             self._close_sockets(linger_ms=0)
             return 1
         self.inbox.listen(lambda identity, frames: self._accept(frames, identity=identity))
-        for _ in range(self.config.concurrency):
-            self._spawn(self._work())
         self._spawn(self._expire_peers())
         if self.config.upstream:
             self.upstream = UpstreamLink(self)
@@ -146,7 +154,7 @@ class Service:
 
     async def _drain(self, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and (self.in_flight() or self._queue.qsize()):
+        while time.monotonic() < deadline and (self.in_flight() or self._backlog):
             await asyncio.sleep(0.02)
         left = self.in_flight()
         self.log.info("service.drained" if not left else "service.grace_expired", abandoned=left)
@@ -154,9 +162,13 @@ class Service:
 
     async def _shutdown(self) -> None:
         self._set_state(ServiceState.STOPPED)
-        for task in self._tasks:
+        self._backlog.clear()
+        tasks = [*self._tasks, *self._handler_tasks]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sweep is not None:
+            self._sweep.cancel()
         try:
             await self.on_stop()
         finally:
@@ -195,7 +207,7 @@ class Service:
         link = self._links.pop(address, None)
         if link is not None:
             link.close(0)
-        for future, target in list(self._pending.values()):   # calls to it will never be answered
+        for future, target, _ in list(self._pending.values()):   # calls to it will never be answered
             if target == address and not future.done():
                 future.set_exception(PeerDead(f"{address} is gone"))
 
@@ -212,19 +224,41 @@ class Service:
         msg_id = new_msg_id()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._pending[msg_id] = (future, address)
-        timer = loop.call_later(timeout or self.config.call_timeout_s, _expire, future)   # cheaper than wait_for
+        deadline = loop.time() + (timeout or self.config.call_timeout_s)
+        self._pending[msg_id] = (future, address, deadline)
+        if self._sweep is None or deadline < self._sweep_at:   # one shared timer, not call_later per call
+            self._arm_sweep(loop, deadline)
         try:
             self.send(address, message, request_id=request_id, span=span, buffers=buffers, msg_id=msg_id)
             envelope = await future
         except asyncio.TimeoutError:
             raise RequestTimeout(f"{type(message).__name__} to {address} got no reply", request_id=request_id) from None
         finally:
-            timer.cancel()
             self._pending.pop(msg_id, None)
         if isinstance(envelope.message, ErrorReply):
             raise envelope.message.to_exception(request_id)
         return envelope
+
+    def _arm_sweep(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+        self._sweep_at = when
+        self._sweep = loop.call_at(when, self._expire_calls)
+
+    def _expire_calls(self) -> None:
+        """The timer of the earliest deadline: time out every call past its deadline, re-arm for the next."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        now, earliest = loop.time(), None
+        for future, _, deadline in list(self._pending.values()):
+            if future.done():
+                continue
+            if deadline <= now:
+                future.set_exception(asyncio.TimeoutError())
+            elif earliest is None or deadline < earliest:
+                earliest = deadline
+        if earliest is not None and self.state != ServiceState.STOPPED:
+            self._arm_sweep(loop, earliest)
 
     # ---- receiving ---------------------------------------------------------------------
     def _accept(self, frames: list, *, identity: bytes | None = None, link: Link | None = None) -> None:
@@ -253,37 +287,50 @@ class Service:
             self.log.warning("message.unhandled", type=type_name, request_id=header.request_id)
             return
         if isinstance(envelope.message, CONTROL_TYPES):
-            self._spawn_short(self._handle(ctx, handler))
+            self._start(self._handle(ctx, handler), contextvars.copy_context())
             return
         if self.state != ServiceState.RUNNING:
             self._try_reply(ctx, Draining(f"{self.config.instance} is {ServiceState(self.state).name.lower()}").to_reply())
             return
-        try:
-            self._queue.put_nowait(ctx)
-        except asyncio.QueueFull:
+        if self._running < self.config.concurrency:   # a free slot: the backlog is empty, start now
+            self._running += 1
+            self._active += 1   # counted from acceptance so a drain never misses queued work
+            self._start(self._serve(ctx, handler), contextvars.copy_context())
+        elif len(self._backlog) < self.config.queue_size:
+            self._backlog.append((ctx, contextvars.copy_context()))
+            self._active += 1
+        else:
             self._try_reply(ctx, Overloaded(f"{self.config.instance} inbound queue is full "
                                             f"({self.config.queue_size})").to_reply())
-            return
-        self._active += 1   # counted from acceptance so a drain never misses queued work
 
-    def _spawn_short(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    def _start(self, coro, context: contextvars.Context) -> None:
+        task = asyncio.get_running_loop().create_task(coro, context=context)
+        self._handler_tasks.add(task)
+        task.add_done_callback(self._handler_ended)
 
-    async def _work(self) -> None:
-        while True:
-            ctx = await self._queue.get()
-            try:
-                await self._handle(ctx, self._handlers[type(ctx.message)], summarize=True)
-            finally:
-                self._active -= 1
+    def _handler_ended(self, task: asyncio.Task) -> None:
+        self._handler_tasks.discard(task)
+        if not task.cancelled():
+            task.exception()   # retrieved: _handle already answered and logged what a handler raised
+
+    async def _serve(self, ctx: Context, handler: Handler) -> None:
+        """One accepted request in one of the `concurrency` slots; the slot then goes to the backlog."""
+        try:
+            await self._handle(ctx, handler, summarize=True)
+        finally:
+            self._active -= 1
+            if self._backlog and self.state != ServiceState.STOPPED:   # the slot passes to the oldest waiting
+                nxt, context = self._backlog.popleft()
+                self._start(self._serve(nxt, self._handlers[type(nxt.message)]), context)
+            else:
+                self._running -= 1
 
     async def _handle(self, ctx: Context, handler: Handler, summarize: bool = False) -> None:
         header = ctx.envelope.header
         type_name = type(ctx.message).__name__
         started = time.time()
         outcome = "ok"
-        fields = REQUEST_FIELDS.set(ctx.log_fields())   # every log line of this handler carries them
+        fields = REQUEST_FIELDS.set(ctx)   # every log line of this handler carries ctx.log_fields()
         try:
             reply = await handler(ctx.message, ctx)
             if reply is not None:
@@ -364,14 +411,8 @@ class Service:
                     self._report_failure("peer.dead_hook_failed", peer.instance)
             self.metrics.peers_alive.set(len(self.members.alive()))
 
-
     def _report_failure(self, event: str, peer: str) -> None:
         try:
             self.log.exception(event, peer=peer)
         except Exception:   # noqa: BLE001 - the log itself failed (a closed stream): stderr is all that is left
             traceback.print_exc()
-
-
-def _expire(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_exception(asyncio.TimeoutError())

@@ -10,7 +10,11 @@ is read either by one task awaiting `recv()`, or, cheaper, by a callback given t
 the loop calls for every message as soon as the socket's FD wakes it (all queued messages in one
 go, no future, no task switch). ZMQ_FD is edge-triggered: any call on the socket may consume the
 notification, so after a send a waiting reader re-checks ZMQ_EVENTS, and a notification that no
-reader waits for is consumed at once (the next `recv()` finds the message without waiting).
+reader waits for is consumed at once (the next `recv()` finds the message without waiting). A send
+made while the listener of the same socket is delivering (a reply sent from inside the callback)
+skips that re-check: the listener reads on until EAGAIN anyway. That re-check (a getsockopt) and
+RCVMORE are a microsecond each in pyzmq, so frames are received as zmq.Frame and `more` is read
+from the frame, and flags are plain ints (pyzmq's IntFlag `|` is a Python call).
 
 Frames up to and including the header arrive as bytes (small: a copy is cheaper than a zmq.Frame
 object); the buffer frames after it arrive as zero-copy zmq.Frame.
@@ -28,7 +32,10 @@ from messages.errors import Overloaded, PeerDead
 CLOSE_LINGER_MS = 500    # on orderly close: time for the last replies to leave
 DRAIN_BATCH = 256        # messages one wake-up of a listener delivers before yielding to the loop
 
-_DONTWAIT, _SNDMORE, _RCVMORE, _EVENTS, _POLLIN = zmq.DONTWAIT, zmq.SNDMORE, zmq.RCVMORE, zmq.EVENTS, zmq.POLLIN
+# Plain ints, not pyzmq's IntFlag members: `DONTWAIT | SNDMORE` on the enums is a Python-level call
+# (about a microsecond) on every frame sent.
+_DONTWAIT, _SNDMORE, _EVENTS, _POLLIN = int(zmq.DONTWAIT), int(zmq.SNDMORE), int(zmq.EVENTS), int(zmq.POLLIN)
+_SEND_MORE = _DONTWAIT | _SNDMORE
 
 
 def _received_frame(view: memoryview):
@@ -55,14 +62,19 @@ class _Endpoint:
         self._waiter: asyncio.Future | None = None            # the one pending recv()
         self._deliver: Callable[[list], None] | None = None   # the listener, once listen() was called
         self._drain_soon = False
+        self._draining = False   # inside _drain: it reads on until EAGAIN, so sends skip the ZMQ_EVENTS re-check
 
     # ---- receiving ---------------------------------------------------------------------------
     def _recv_now(self) -> list:
-        """One whole message without waiting, or zmq.Again."""
-        sock, copied = self.sock, self._copied
-        frames = [sock.recv(_DONTWAIT)]
-        while sock.getsockopt(_RCVMORE):   # the rest of a multipart message is already here
-            frames.append(sock.recv(_DONTWAIT, len(frames) < copied))
+        """One whole message without waiting, or zmq.Again. Frames are received as zmq.Frame, whose
+        `more` is a field read (getsockopt(RCVMORE) costs about a microsecond per frame); the
+        leading `copied` frames are handed on as bytes."""
+        recv, copied = self.sock.recv, self._copied
+        frame = recv(_DONTWAIT, False)
+        frames = [frame.bytes]
+        while frame.more:   # the rest of a multipart message is already here
+            frame = recv(_DONTWAIT, False)
+            frames.append(frame.bytes if len(frames) < copied else frame)
         return frames
 
     def _watch(self) -> None:
@@ -118,19 +130,23 @@ class _Endpoint:
         """Deliver what is queued, up to DRAIN_BATCH messages; the rest on the next loop iteration."""
         self._drain_soon = False
         deliver = self._deliver
-        for _ in range(DRAIN_BATCH):
-            if self.sock.closed:
-                return
-            try:
-                frames = self._recv_now()
-            except zmq.Again:
-                return
-            try:
-                deliver(frames)
-            except Exception:   # the loop reports it; the messages behind it are still read
-                self._schedule_drain()
-                raise
-        self._schedule_drain()
+        self._draining = True
+        try:
+            for _ in range(DRAIN_BATCH):
+                if self.sock.closed:
+                    return
+                try:
+                    frames = self._recv_now()
+                except zmq.Again:
+                    return
+                try:
+                    deliver(frames)
+                except Exception:   # the loop reports it; the messages behind it are still read
+                    self._schedule_drain()
+                    raise
+            self._schedule_drain()
+        finally:
+            self._draining = False
 
     def _schedule_drain(self) -> None:
         if not self._drain_soon:
@@ -144,7 +160,7 @@ class _Endpoint:
             for i, frame in enumerate(frames):
                 if type(frame) is memoryview:
                     frame = _received_frame(frame)
-                sock.send(frame, _DONTWAIT | _SNDMORE if i < last else _DONTWAIT, copy=False)
+                sock.send(frame, _SEND_MORE if i < last else _DONTWAIT, copy=False)
         except zmq.Again:
             raise Overloaded(f"send queue to {what} is full (high-water mark)") from None
         except zmq.ZMQError as exc:
@@ -152,8 +168,9 @@ class _Endpoint:
                 raise PeerDead(f"{what} is no longer connected") from None
             raise
         finally:   # the send may have consumed the FD's notification of a message a reader waits for
-            if (self._waiter is not None or self._deliver is not None) and not sock.closed \
-                    and sock.getsockopt(_EVENTS) & _POLLIN:
+            # (not while this socket's _drain runs: it reads on until EAGAIN or schedules itself again)
+            if (self._waiter is not None or self._deliver is not None) and not self._draining \
+                    and not sock.closed and sock.getsockopt(_EVENTS) & _POLLIN:
                 if self._deliver is not None:
                     self._schedule_drain()
                 else:
