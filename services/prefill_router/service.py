@@ -74,7 +74,6 @@ class PrefillRouterService(Service):
         self._routes: OrderedDict[str, str] = OrderedDict()   # finished prefill: request id -> decode address
         self._looking_up: set[str] = set()
         self._aborted_early: set[str] = set()
-        self._background: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
         super().__init__(config)
         self.metrics.registry.register(RouterCollector(self.core, self.kind, config.instance))
@@ -180,7 +179,7 @@ class PrefillRouterService(Service):
         for held in self.core.update_ranks(self._rank_views()):
             self.log.warning("request.settled", request_id=held.request_id, rank=held.instance)
         for held in self.core.pump():
-            self._background_task(self._dispatch(held))
+            self.in_background(self._dispatch(held), "prefill_router.dispatch_failed")
 
     def _rank_views(self) -> list[RankView]:
         return [RankView(p.instance, p.address, p.role or p.instance, p.load, p.accepts_work, p.last_seen)
@@ -267,10 +266,9 @@ class PrefillRouterService(Service):
                       swa_registry=s.swa_registry or None, decode_router=s.decode_router or None)
 
     async def on_stop(self) -> None:
-        tasks = [t for t in (self._ticker, *self._background) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
         self._ticker = None
 
     async def _tick(self) -> None:
@@ -284,13 +282,3 @@ class PrefillRouterService(Service):
                 self._pump()
             except Exception:   # a bug here must not stop routing for good: log it, try next tick
                 self.log.exception("prefill_router.tick_failed")
-
-    def _background_task(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
-
-    def _background_done(self, task: asyncio.Task) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.log.error("prefill_router.dispatch_failed", error=repr(task.exception()))

@@ -72,6 +72,7 @@ class Service:
         self._backlog: deque[tuple[Context, contextvars.Context]] = deque()   # accepted, waiting for a free slot
         self._running = 0                          # request handlers running (<= config.concurrency)
         self._handler_tasks: set[asyncio.Task] = set()   # running handler tasks (cancelled at stop)
+        self._background: set[asyncio.Task] = set()      # in_background() work (cancelled at stop)
         self._tasks: list[asyncio.Task] = []
         self._active = 0                           # accepted requests not yet finished (backlog + running)
         self._stopped: asyncio.Event | None = None
@@ -163,7 +164,7 @@ class Service:
     async def _shutdown(self) -> None:
         self._set_state(ServiceState.STOPPED)
         self._backlog.clear()
-        tasks = [*self._tasks, *self._handler_tasks]
+        tasks = [*self._tasks, *self._handler_tasks, *self._background]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -193,6 +194,19 @@ class Service:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.append(task)
         return task
+
+    def in_background(self, coro, failed_event: str, level: str = "error") -> asyncio.Task:
+        """Run `coro` beside the handlers, unawaited: its failure is logged as `failed_event` at
+        `level`; stopping the service cancels it if it still runs."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(lambda done: self._background_done(done, failed_event, level))
+        return task
+
+    def _background_done(self, task: asyncio.Task, failed_event: str, level: str) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            getattr(self.log, level)(failed_event, error=repr(task.exception()))
 
     # ---- sending -----------------------------------------------------------------------
     def link(self, address: str) -> Link:

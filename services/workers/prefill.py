@@ -72,7 +72,6 @@ class PrefillWorker(EngineWorker):
         super().__init__(config)
         self.jobs: dict[str, Job] = {}
         self._reader = None
-        self._background: set[asyncio.Task] = set()
         self.hash_check = HashChainCheck()
 
     def handlers(self):
@@ -85,9 +84,6 @@ class PrefillWorker(EngineWorker):
             self._reader = StoreReader(self.settings.kv_store_dir, log=self.log.bind(component="kv_store_reader"))
 
     async def on_stop(self) -> None:
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
         await super().on_stop()
         if self._reader is not None:
             self._reader.close()
@@ -140,7 +136,8 @@ class PrefillWorker(EngineWorker):
             else:
                 await self._hand_off(msg, rid, ctx.span, out, taken)
                 added = False
-            self._in_background(self._advertise_prompt_states(request, rid, ctx.span))
+            self.in_background(self._advertise_prompt_states(request, rid, ctx.span), "swa_advertise.failed",
+                               level="warning")
             self.log.info("request.prefilled", request_id=rid, prompt_tokens=prompt_len, hit_tokens=hit,
                           routed_hit_tokens=msg.hit_tokens, decode=msg.decode_address,
                           prefill_ms=round((prefilled_at - started) * 1e3, 3),
@@ -151,16 +148,6 @@ class PrefillWorker(EngineWorker):
             if added:   # failed or aborted after the engine took it: free its state
                 await self.engine(lambda engine, r: engine.abort(r), rid)
             await self.refresh_stats()
-
-    def _in_background(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
-
-    def _background_done(self, task: asyncio.Task) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.log.warning("swa_advertise.failed", error=repr(task.exception()))
 
     async def _advertise_prompt_states(self, request, rid: str, span: SpanContext) -> None:
         """Register the window states this prefill saved at the prompt's block boundaries (the

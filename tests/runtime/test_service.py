@@ -361,3 +361,32 @@ async def test_handlers_that_suspend_or_need_their_task(cls, tmp_path):
         await client_task, await server_task
     assert [r.message.payload for r in replies] == [f"{i}".encode() for i in range(20)]
     assert server.in_flight() == 0 and not server._handler_tasks
+
+
+async def test_background_work_logs_its_failure_and_is_cancelled_at_stop(tmp_path):
+    stream = io.StringIO()
+    configure_logging("info", stream=stream)
+    try:
+        svc, task = await start(Service, tmp_path, "bg")
+        started = asyncio.Event()
+
+        async def fails():
+            raise RuntimeError("background bug")
+
+        async def runs_forever():
+            started.set()
+            await asyncio.Event().wait()
+
+        failing = svc.in_background(fails(), "bg.failed", level="warning")
+        forever = svc.in_background(runs_forever(), "bg.forever_failed")
+        await asyncio.gather(failing, return_exceptions=True)
+        await started.wait()
+        svc.stop()
+        assert await task == 0
+    finally:
+        structlog.reset_defaults()
+    assert forever.cancelled() and not svc._background
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    failures = [x for x in lines if x["event"] in ("bg.failed", "bg.forever_failed")]
+    assert [(x["event"], x["level"]) for x in failures] == [("bg.failed", "warning")]
+    assert "background bug" in failures[0]["error"]
