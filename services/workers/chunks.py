@@ -1,4 +1,4 @@
-"""The GenerateChunk a worker streams to the gateway for one engine output."""
+"""The GenerateChunks a worker streams to the gateway: one per engine output, and the error chunk."""
 from __future__ import annotations
 
 from messages.common import FinishReason, TopLogprob, Usage
@@ -19,3 +19,16 @@ def chunk_from(out, completion_tokens: int) -> GenerateChunk:
         finish_reason=int(out.finish_reason) if finished else int(FinishReason.NONE),
         logprobs=logprobs, top_logprobs=top_logprobs,
         usage=Usage(out.num_prompt_tokens, out.num_cached_tokens, completion_tokens) if finished else None)
+
+
+ENGINE_FAILURE = GenerateChunk([], int(FinishReason.ERROR), error="engine failure")
+
+
+def fail_streams(service, streams) -> None:
+    """After a failed engine step: tell each stream's gateway (best effort: one that is gone is gone)."""
+    from messages.errors import WireError
+    for request_id, stream in streams:
+        try:
+            service.send(stream.return_address, ENGINE_FAILURE, request_id=request_id, span=stream.span)
+        except WireError:
+            pass

@@ -34,7 +34,7 @@ from services.runtime.context import Context
 from services.runtime.membership import Peer
 from services.workers.common import EngineWorker
 from services.workers.unified import Stream
-from services.workers.chunks import chunk_from
+from services.workers.chunks import chunk_from, fail_streams
 
 BLOCK = 128
 
@@ -199,12 +199,9 @@ class DecodeWorker(EngineWorker):
             return False
 
     def _on_engine_failure(self, exc: Exception) -> None:
-        for request_id, stream in list(self.streams.items()):
-            try:
-                self.send(stream.return_address, GenerateChunk([], int(FinishReason.ERROR), error="engine failure"),
-                          request_id=request_id, span=stream.span)
-            except WireError:
-                pass
+        streams = list(self.streams.items())
+        fail_streams(self, streams)
+        for request_id, stream in streams:
             self._summarize(stream, "engine_error")
             self._forget(request_id)
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from messages.common import FinishReason
 from messages.control import Load
 from messages.errors import InvalidRequest, WireError
-from messages.generate import AbortRequest, GenerateChunk, GenerateRequest
+from messages.generate import AbortRequest, GenerateRequest
 from services.runtime.context import Context
 from services.runtime.membership import Peer
 from services.runtime.service import Service
-from services.workers.chunks import chunk_from
+from services.workers.chunks import chunk_from, fail_streams
 from services.runtime.tracing import SpanContext
 from services.workers.engine_thread import EngineThread
 from services.workers.hash_check import HashChainCheck
@@ -139,12 +139,9 @@ class UnifiedWorker(Service):
                 self._summarize(self.streams.pop(out.request_id), FinishReason(out.finish_reason).name.lower())
 
     def _on_engine_failure(self, exc: Exception) -> None:
-        for request_id, stream in list(self.streams.items()):
-            try:
-                self.send(stream.return_address, GenerateChunk([], int(FinishReason.ERROR), error="engine failure"),
-                          request_id=request_id, span=stream.span)
-            except WireError:
-                pass
+        streams = list(self.streams.items())
+        fail_streams(self, streams)
+        for request_id, _ in streams:
             self._summarize(self.streams.pop(request_id), "engine_error")
 
     def _finish_locally(self, request_id: str, outcome: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import tomllib
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from ops import bench
 from ops.bench import stack
 from ops.bench.stack_local import moved_topology
 from ops.bench.stack_sides import Outcome, Round
+from tests.ops.test_stack_commands import pid_alive
 
 STREAMS, ROUNDS, MAX_TOKENS = 2, 1, 4
 
@@ -25,15 +25,6 @@ def run_bench(argv: list[str]) -> int:
     bench.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", "stack", *argv])
     return args.func(args)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ", 1)[1][0] != "Z"
 
 
 @pytest.mark.timeout(240)
