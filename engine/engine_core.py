@@ -21,8 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv.manager import KVCache
-from engine.model_identity import model_identity
-from engine.kv.prefix_hash import BLOCK_SIZE
 from engine.kv.snapshot import make_boundary_snapshot, make_snapshot, parse_boundary_snapshot, parse_snapshot
 from engine.model.loader import DTYPES, load_model
 from engine.runner import ModelRunner
@@ -30,6 +28,7 @@ from engine.sampling import make_generator, validate_sampling_params
 from engine.scheduler import Scheduler, Sequence, SequenceStatus
 from messages.common import FinishReason, SamplingParams
 from messages.handoff import KVSnapshot
+from messages.prefix import BLOCK_TOKENS, model_identity
 
 
 @dataclass(slots=True)
@@ -68,9 +67,9 @@ class EngineConfig:
             raise ValueError(f"torch_threads must be an int >= 0, got {self.torch_threads!r}")
         if self.swa_cache_bytes < 0:
             raise ValueError(f"swa_cache_bytes must be >= 0, got {self.swa_cache_bytes}")
-        if self.batch_invariant and self.max_batched_tokens < BLOCK_SIZE + self.max_num_seqs:
-            raise ValueError(f"batch_invariant needs max_batched_tokens >= {BLOCK_SIZE} + max_num_seqs "
-                             f"(one {BLOCK_SIZE}-token prefill chunk next to a full decode batch)")
+        if self.batch_invariant and self.max_batched_tokens < BLOCK_TOKENS + self.max_num_seqs:
+            raise ValueError(f"batch_invariant needs max_batched_tokens >= {BLOCK_TOKENS} + max_num_seqs "
+                             f"(one {BLOCK_TOKENS}-token prefill chunk next to a full decode batch)")
 
 
 @dataclass(slots=True)
@@ -117,9 +116,9 @@ class EngineCore:
         model_config = self.model.config
         self.model_id = model_identity(config.model_dir, str(self.model.dtype))
         limit = config.max_model_len or model_config.max_position_embeddings
-        self.max_len = min(limit, model_config.max_position_embeddings, config.num_pages * BLOCK_SIZE)
+        self.max_len = min(limit, model_config.max_position_embeddings, config.num_pages * BLOCK_TOKENS)
         self.kv = KVCache(model_config, config.num_pages, config.max_num_seqs, self.model.device, self.model.dtype,
-                          config.enable_prefix_cache, config.swa_cache_bytes, BLOCK_SIZE)
+                          config.enable_prefix_cache, config.swa_cache_bytes, BLOCK_TOKENS)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_batched_tokens, self.max_len,
                                    model_config.eos_token_id, config.batch_invariant)
         self.runner = ModelRunner(self.model, self.kv, config.batch_invariant)
@@ -246,7 +245,7 @@ class EngineCore:
             return 0
         self.kv.import_blocks(hashes, flat)
         if boundary is not None:
-            self.kv.save_boundary(hashes[boundary.num_tokens // BLOCK_SIZE - 1], boundary)
+            self.kv.save_boundary(hashes[boundary.num_tokens // BLOCK_TOKENS - 1], boundary)
         return self.kv.usable_prefix(hashes)
 
     def export_boundary_state(self, block_hash: bytes) -> tuple[KVSnapshot, list[torch.Tensor]] | None:
@@ -263,7 +262,7 @@ class EngineCore:
         while they stay cached."""
         seq = self.requests.get(request_id)
         if seq is not None and seq.state is not None:
-            hashes = seq.block_hashes[first_block : seq.num_computed // BLOCK_SIZE]
+            hashes = seq.block_hashes[first_block : seq.num_computed // BLOCK_TOKENS]
             pages = seq.state.page_table[first_block : first_block + len(hashes)]
         elif request_id in self._finished_hashes:
             hashes = self._finished_hashes[request_id][first_block:]

@@ -1,7 +1,9 @@
 """The wire contract: typed messages shared by every service.
 
 One module per boundary (see each module's docstring for who talks to whom).
-`envelope` turns a message into frames `[type tag, header, *buffers]` and back.
+`envelope` turns a message into frames `[type tag, header, *buffers]` and back; `tensors`
+describes buffer frames (dtype, shape, bytes); `prefix` is the block hash chain every service
+shares. No torch here: routers and stores import this package without loading it.
 Importing this package registers every message type in the catalogue.
 """
 from messages import control, errors, generate, handoff, kv_store, routing, swa_registry  # noqa: F401  (registration)

@@ -17,7 +17,7 @@ import msgspec
 from messages.errors import (FrameTooLarge, MalformedFrame, SchemaVersionMismatch,
                              UnknownMessageType)
 from messages.registry import Message, tag_of, type_of
-from messages.tensors import TensorDesc, check, describe, tensor_view
+from messages.tensors import TensorDesc, check, describe
 
 SCHEMA_VERSION = 1
 
@@ -54,11 +54,13 @@ class Envelope:
     def request_id(self) -> str:
         return self.header.request_id
 
-    def tensor(self, index: int):
-        """Buffer frame `index` as a torch tensor view (no copy)."""
+    def frame(self, index: int) -> tuple[TensorDesc, memoryview]:
+        """Buffer frame `index` with its descriptor (checked at decode), as a byte view (no copy).
+        A message names its frames by index: a bad index is the sender's fault, hence MalformedFrame."""
         if not 0 <= index < len(self.buffers):
             raise MalformedFrame(f"message refers to tensor {index}, only {len(self.buffers)} travelled")
-        return tensor_view(self.header.tensors[index], self.buffers[index])
+        buf = self.buffers[index]
+        return self.header.tensors[index], buf if type(buf) is memoryview else memoryview(buf)
 
 
 _IDS = random.Random()   # private: reseeded in forked children below; the global random stays untouched

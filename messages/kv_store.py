@@ -2,10 +2,12 @@
 lookup and reading pages back.
 
 Decode workers send each completed 128-token block (`KvWritePages`: its chain hash and its page as
-one buffer frame); the writer stores those it does not already hold. Routers ask how long a prefix
-the store holds (`KvLookup` -> `KvLookupReply.hit_blocks`). Prefill workers normally read the store
-files directly (`services.kv_writer.StoreReader`, using the `locations` of a lookup or their own
-view of the index); `KvReadPages` fetches pages through the service instead.
+one buffer frame); the writer stores those it does not already hold. A write is a one-way
+notification: the writer answers only a failure (ErrorReply), or a `KvWriteAck` where the sender
+asked for one (`ack=True`: tests, benchmarks). Routers ask how long a prefix the store holds
+(`KvLookup` -> `KvLookupReply.hit_blocks`). Prefill workers normally read the store files directly
+(`kvstore.StoreReader`, using the `locations` of a lookup or their own view of the index);
+`KvReadPages` fetches pages through the service instead.
 
 A location is "segment:offset:length": the segment's sequence number (file
 `<root>/segments/<segment as 12 digits>.kvs`), the record's byte offset in it and its length.
@@ -22,6 +24,7 @@ class KvWritePages(Message):
     page_frames: list[int]           # one buffer frame per block
     layout: str                      # page layout tag, stored with each record; a read may require it
     traffic_class: int = TrafficClass.CHATBOT
+    ack: bool = False                # True: answer KvWriteAck once stored (else only errors are answered)
 
 
 @register(0x0602)

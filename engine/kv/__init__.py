@@ -2,7 +2,7 @@
 
 - Block KV (CSA entries + indexer keys, HCA entries) lives in `num_pages` pages of 128 tokens
   (page_pool), reference-counted and shared through a prefix index of block hashes, LRU-evicted
-  once unreferenced (block_manager; hashes from prefix_hash).
+  once unreferenced (block_manager; hashes from messages.prefix).
 - The sliding window is a fixed ring per running sequence (swa.SwaSlots), and so are the
   compressor tails (tails.TailRings). paged_state.PagedState is the view attention uses for one
   sequence; decode_view.DecodeView reads and advances a whole decode batch with batched ops.
@@ -13,7 +13,4 @@
   then continues exactly as the sequence that saved it would have. Saved states go when their
   page is evicted.
 - manager.KVCache is what the scheduler talks to; snapshot turns a state into wire buffers.
-
-Deliberately empty of imports: `engine.kv.prefix_hash` must stay importable without torch
-(the gateway computes hash chains with it). Import the modules directly.
 """

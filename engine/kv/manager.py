@@ -20,6 +20,7 @@ from engine.kv.paged_state import PagedState
 from engine.kv.swa import BoundaryCache, BoundaryState, SwaSlots
 from engine.kv.tails import TailRings
 from engine.model.config import ModelConfig
+from messages.prefix import BLOCK_TOKENS
 
 
 @dataclass(slots=True)
@@ -43,7 +44,7 @@ class Restored:
 
 class KVCache:
     def __init__(self, config: ModelConfig, num_pages: int, num_slots: int, device, dtype: torch.dtype,
-                 enable_prefix_cache: bool = True, boundary_cache_bytes: int = 1 << 30, block_size: int = 128):
+                 enable_prefix_cache: bool = True, boundary_cache_bytes: int = 1 << 30, block_size: int = BLOCK_TOKENS):
         self.config, self.block_size = config, block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.layout = PageLayout.from_config(config, block_size)

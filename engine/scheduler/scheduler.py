@@ -23,8 +23,9 @@ from collections import deque
 from engine.kv.manager import KVCache
 from engine.scheduler.sequence import Sequence, SequenceStatus
 from messages.common import FinishReason
+from messages.prefix import BLOCK_TOKENS
 
-INVARIANT_CHUNK = 128
+INVARIANT_CHUNK = BLOCK_TOKENS   # batch-invariant prefill chunks end on the block grid
 
 
 class Scheduler:

@@ -9,8 +9,8 @@ import torch
 
 from engine.kv.manager import Restored
 from engine.kv.paged_state import PagedState
-from engine.kv.prefix_hash import BLOCK_SIZE, block_hashes
 from messages.common import FinishReason, SamplingParams
+from messages.prefix import BLOCK_TOKENS, block_hashes
 
 
 class SequenceStatus(IntEnum):
@@ -68,5 +68,5 @@ class Sequence:
             self.new_logprobs.append(logprob)
         if top is not None:
             self.new_top_logprobs.append(top)
-        if len(self.token_ids) % BLOCK_SIZE == 0:
+        if len(self.token_ids) % BLOCK_TOKENS == 0:
             self.update_hashes()

@@ -6,7 +6,7 @@ Throughput, in one run, on one directory (`--dir`, default the system temp dir):
   store  through SegmentStore.write, `--batch` pages a call, fsync policy "batch" (one fsync per
          segment per call): records with headers and checksums, 256 MiB segments, the index log.
 Both sides fsync equally. Reads, `--batch` pages at a time:
-  plain  preadv of each page into a fresh buffer (the store returns a fresh tensor per page: the
+  plain  preadv of each page into a fresh buffer (the store returns a fresh buffer per page: the
          same allocations), a batch of them kept alive at a time on both sides;
   store  StoreReader.read (another process's view of the store: index, record read, checksum + key
          + expiry verified; large records read and verified on 2 threads).
@@ -124,11 +124,13 @@ def measure_round(work: str, index: int, n_pages: int, page_bytes: int, batch: i
     """One round: both sides write, then read cold, then read warm the same pages, batch by batch in
     turns (plain batch, store batch, store batch, plain batch, ...), each batch timed on its own, so
     both sides run under the same background load."""
-    import torch
-    from services.kv_writer import SegmentStore, StoreReader, StoreSettings
-    from services.kv_writer.fileio import PosixIO
-    rng = torch.Generator().manual_seed(index)
-    pool = [torch.randn(page_bytes // 2, generator=rng).to(torch.bfloat16) for _ in range(16)]
+    import numpy as np
+    from kvstore import SegmentStore, StoreReader, StoreSettings
+    from kvstore.fileio import PosixIO
+    from messages.tensors import TensorDesc
+    rng = np.random.default_rng(index)
+    desc = TensorDesc("bfloat16", (page_bytes // 2,))   # bf16 pages as workers send them: (descriptor, bytes)
+    pool = [(desc, memoryview(rng.integers(0, 1 << 16, page_bytes // 2, np.uint16)).cast("B")) for _ in range(16)]
     pages = [pool[i % len(pool)] for i in range(n_pages)]
     prefix = random.Random(index).randbytes(8)
     keys = [prefix + i.to_bytes(8, "little") for i in range(n_pages)]
@@ -151,7 +153,7 @@ def measure_round(work: str, index: int, n_pages: int, page_bytes: int, batch: i
     try:
         def plain_write(lo: int, hi: int) -> None:
             for i in range(lo, hi):
-                io.pwrite(fd, i * page_bytes, [_bytes_view(pages[i])])
+                io.pwrite(fd, i * page_bytes, [pages[i][1]])
             os.fsync(fd)
 
         def store_write(lo: int, hi: int) -> None:
@@ -169,8 +171,8 @@ def measure_round(work: str, index: int, n_pages: int, page_bytes: int, batch: i
             def plain_read(lo: int, hi: int) -> None:
                 got = []
                 for i in range(lo, hi):
-                    buf = torch.empty(page_bytes, dtype=torch.uint8)
-                    if io.pread_into(fd, i * page_bytes, buf.numpy()) != page_bytes:
+                    buf = np.empty(page_bytes, np.uint8)
+                    if io.pread_into(fd, i * page_bytes, buf) != page_bytes:
                         raise RuntimeError("short read from the plain file")
                     got.append(buf)
                 held["plain"] = got
@@ -183,7 +185,7 @@ def measure_round(work: str, index: int, n_pages: int, page_bytes: int, batch: i
 
             in_turns("read_cold", plain_read, store_read)
             in_turns("read_warm", plain_read, store_read)
-            if not torch.equal(held["store"][-1].view(torch.int16), pages[-1].view(torch.int16)):
+            if held["store"][-1] != pages[-1]:   # (descriptor, bytes): equal dtype, shape and every byte
                 raise RuntimeError("the store returned other bytes than were written")
     finally:
         store.close()
@@ -206,11 +208,6 @@ def _drop_caches(paths: list[str]) -> None:
             os.close(fd)
 
 
-def _bytes_view(page):
-    import torch
-    return memoryview(page.reshape(-1).view(torch.uint8).numpy())
-
-
 def median_of(rounds: list[dict]) -> dict:
     keys = ("write_mbps", "read_cold_mbps", "read_warm_mbps")
     return {side: {k: statistics.median(r[side][k] for r in rounds) for k in keys} for side in ("plain", "store")}
@@ -219,7 +216,7 @@ def median_of(rounds: list[dict]) -> dict:
 # ---- lookups ---------------------------------------------------------------------------------
 def measure_lookups(work: str, blocks: int, lookups: int, passes: int = 1) -> dict:
     import numpy as np
-    from services.kv_writer import SegmentStore, StoreSettings
+    from kvstore import SegmentStore, StoreSettings
     rng = random.Random(7)
     n_chains = blocks // CHAIN_BLOCKS
     raw = rng.randbytes(16 * n_chains * CHAIN_BLOCKS)
@@ -293,5 +290,5 @@ def summarize(median: dict, lookup: dict) -> list[dict]:
 
 
 def _checksum_name() -> str:
-    from services.kv_writer import record
+    from kvstore import record
     return "crc32c" if record.DEFAULT_CHECKSUM == record.CRC32C else "crc32 (zlib)"

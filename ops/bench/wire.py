@@ -182,9 +182,9 @@ class Children:
 
 # ---- what is measured --------------------------------------------------------------------
 def _message(size: Size):
-    import torch
+    import numpy as np
     from messages.control import Echo
-    buffers = [torch.full((size.tensor,), 7, dtype=torch.uint8)] if size.tensor else []
+    buffers = [np.full(size.tensor, 7, dtype=np.uint8)] if size.tensor else []
     return Echo(payload=b"x" * size.payload), buffers
 
 
@@ -283,7 +283,7 @@ async def runtime_cells(address: str, client_bind: str, seconds: float) -> list[
 
 def _check_reply(envelope, size: Size) -> None:
     if size.tensor:
-        if envelope.tensor(0).numel() != size.tensor:
+        if envelope.frame(0)[1].nbytes != size.tensor:
             raise RuntimeError("echo returned another tensor than it was sent")
     elif len(envelope.message.payload) != size.payload:
         raise RuntimeError("echo returned another payload than it was sent")

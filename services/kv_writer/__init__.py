@@ -1,11 +1,6 @@
-"""3FS KV writer: block-KV pages persisted in segment files, the prefix index, TTL and GC.
+"""3FS KV writer: the service shell (service.py) around the KV store library (`kvstore`).
 
-`SegmentStore` is the writer's pure synchronous core, `StoreReader` reads the same directory from
-another process, `KvWriterService` (service.py) is the asyncio shell.
+It owns one store directory as its only writer: pages arrive as KvWritePages, lookups and reads as
+KvLookup / KvReadPages; gc runs on a timer. The store itself (segments, index, TTL, eviction,
+StoreReader for workers) is the `kvstore` package.
 """
-from services.kv_writer.reader import StoreReader
-from services.kv_writer.settings import StoreError, StoreLocked, StoreSettings, StoreStats, WriteResult
-from services.kv_writer.store import SegmentStore
-
-__all__ = ["SegmentStore", "StoreError", "StoreLocked", "StoreReader", "StoreSettings", "StoreStats",
-           "WriteResult"]

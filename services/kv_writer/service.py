@@ -1,10 +1,11 @@
-"""KvWriterService: the asyncio shell around SegmentStore.
+"""KvWriterService: the asyncio shell around kvstore.SegmentStore.
 
-Decode workers send KvWritePages (block hashes + one buffer frame per page), answered with
-KvWriteAck(written, skipped). Routers send KvLookup, answered with KvLookupReply(hit_blocks,
-locations). Workers that want pages through the service send KvReadPages, answered with
-KvPages(found, page_frames) and the pages as buffer frames (prefill workers normally read the files
-directly with StoreReader).
+Decode workers send KvWritePages (block hashes + one buffer frame per page): a one-way notification,
+answered only when it fails (ErrorReply) or when the sender asks for an acknowledgement (`ack=True`
+-> KvWriteAck(written, skipped)); a worker persisting blocks does not wait on the store. Routers
+send KvLookup, answered with KvLookupReply(hit_blocks, locations). Workers that want pages through
+the service send KvReadPages, answered with KvPages(found, page_frames) and the pages as buffer
+frames (prefill workers normally read the files directly with kvstore.StoreReader).
 
 File I/O never runs on the event loop: writes, gc and the store's start and close run on one writer
 thread (in arrival order), reads on a small pool; lookups are in-memory index reads (tens to a
@@ -29,13 +30,13 @@ from typing import Any, Callable, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvstore.settings import StoreSettings
+from kvstore.store import SegmentStore
 from messages.errors import InvalidRequest, Overloaded
 from messages.kv_store import KvLookup, KvLookupReply, KvPages, KvReadPages, KvWriteAck, KvWritePages
 from services.runtime.config import ServiceConfig
 from services.runtime.context import Context
 from services.runtime.service import Handler, Service
-from services.kv_writer.settings import StoreSettings
-from services.kv_writer.store import SegmentStore
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,7 +83,7 @@ class KvWriterService(Service):
         return {KvWritePages: self.on_write, KvLookup: self.on_lookup, KvReadPages: self.on_read}
 
     # ---- handlers ----------------------------------------------------------------------
-    async def on_write(self, msg: KvWritePages, ctx: Context) -> KvWriteAck:
+    async def on_write(self, msg: KvWritePages, ctx: Context) -> KvWriteAck | None:
         self._check_count(msg.block_hashes)
         if len(msg.page_frames) != len(msg.block_hashes):
             raise InvalidRequest(f"{len(msg.block_hashes)} block hashes but {len(msg.page_frames)} page frames")
@@ -91,9 +92,9 @@ class KvWriterService(Service):
         for h, frame in zip(msg.block_hashes, msg.page_frames):
             if not 0 <= frame < len(env.buffers):
                 raise InvalidRequest(f"page frame {frame} does not exist ({len(env.buffers)} buffers travelled)")
-            desc = env.header.tensors[frame]
-            pages.append((h, (desc, env.buffers[frame])))
-            nbytes += desc.nbytes()
+            page = env.frame(frame)
+            pages.append((h, page))
+            nbytes += page[0].nbytes()
         if self.pending_bytes + nbytes > self.settings.max_pending_bytes:
             raise Overloaded(f"{self.pending_bytes + nbytes} bytes of writes would be pending "
                              f"(limit {self.settings.max_pending_bytes})")
@@ -103,7 +104,7 @@ class KvWriterService(Service):
                 self._writer, self.store.write, pages, msg.traffic_class, msg.layout)
         finally:
             self.pending_bytes -= nbytes
-        return KvWriteAck(result.written, result.skipped)
+        return KvWriteAck(result.written, result.skipped) if msg.ack else None
 
     async def on_lookup(self, msg: KvLookup, ctx: Context) -> KvLookupReply:
         self._check_count(msg.block_hashes)

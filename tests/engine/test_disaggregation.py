@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from engine.engine_core import EngineRequest
-from engine.kv.prefix_hash import block_hashes
 from engine.model.generate import greedy_generate
 from messages import Codec
 from messages.handoff import BufferRole, KVSnapshot, SwaState
 from messages.kv_store import KvPages
 from messages.common import FinishReason
+from messages.prefix import block_hashes
+from services.workers.tensors import to_frame, torch_frame
 from tests.engine.references import greedy_params, make_prompt, run_engine
 from tests.engine.test_engine_lifecycle import assert_all_pages_returned
 from tests.engine.test_handoff import over_the_wire
@@ -129,9 +130,9 @@ def test_a_decode_engine_continues_a_prefill_engines_snapshot_like_a_unified_eng
 def pages_over_the_wire(blocks):
     """completed_blocks' pages as a KV store read would deliver them (KvPages, one frame per block)."""
     frames = Codec("kv-writer").encode(KvPages(found=len(blocks), page_frames=list(range(len(blocks)))),
-                                       request_id="r", buffers=[page for _, (page,) in blocks])
+                                       request_id="r", buffers=[to_frame(page) for _, (page,) in blocks])
     envelope = Codec("prefill-1").decode([bytes(f) for f in frames])
-    return [[envelope.tensor(i)] for i in envelope.message.page_frames]
+    return [[torch_frame(envelope, i)] for i in envelope.message.page_frames]
 
 
 def boundary_over_the_wire(exported: tuple[KVSnapshot, list[torch.Tensor]], model_id: str):
@@ -140,12 +141,12 @@ def boundary_over_the_wire(exported: tuple[KVSnapshot, list[torch.Tensor]], mode
     header, (window, tails) = exported
     assert header.roles == [BufferRole.SWA, BufferRole.TAILS]
     message = SwaState(found=True, num_tokens=header.num_tokens, swa_frames=[0], tail_frames=[1])
-    frames = Codec("holder").encode(message, request_id="r", buffers=[window, tails])
+    frames = Codec("holder").encode(message, request_id="r", buffers=[to_frame(window), to_frame(tails)])
     envelope = Codec("prefill-1").decode([bytes(f) for f in frames])
     received = envelope.message
     rebuilt = KVSnapshot(model_id=model_id, num_tokens=received.num_tokens, block_hashes=header.block_hashes,
                          roles=[int(BufferRole.SWA), int(BufferRole.TAILS)])
-    return rebuilt, [envelope.tensor(received.swa_frames[0]), envelope.tensor(received.tail_frames[0])]
+    return rebuilt, [torch_frame(envelope, received.swa_frames[0]), torch_frame(envelope, received.tail_frames[0])]
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from engine.engine_core import EngineRequest
-from engine.kv.prefix_hash import block_hashes
 from messages import Codec
 from messages.generate import GenerateRequest
 from messages.handoff import BufferRole, KVSnapshot, StateHandoff
+from messages.prefix import block_hashes
+from services.workers.tensors import to_frame, torch_frame
 from tests.engine.references import greedy_params, make_prompt, run_engine
 
 
@@ -30,11 +31,11 @@ def over_the_wire(request: EngineRequest, snapshot: KVSnapshot, buffers, generat
     message = StateHandoff(
         request=GenerateRequest(model="tiny", prompt_ids=request.prompt_ids, sampling=request.sampling),
         snapshot=snapshot, buffer_frames=list(range(len(buffers))), generated_ids=generated)
-    frames = Codec("prefill-0").encode(message, request_id=request.request_id, buffers=buffers)
+    frames = Codec("prefill-0").encode(message, request_id=request.request_id, buffers=[to_frame(b) for b in buffers])
     wire = [bytes(f) for f in frames]  # what a socket would deliver
     envelope = Codec("decode-0").decode(wire)
     received = envelope.message
-    tensors = [envelope.tensor(i) for i in received.buffer_frames]
+    tensors = [torch_frame(envelope, i) for i in received.buffer_frames]
     restored = EngineRequest(envelope.request_id, list(received.request.prompt_ids), received.request.sampling)
     return restored, received.snapshot, tensors, list(received.generated_ids)
 

@@ -1,43 +1,10 @@
-"""The prefix hash chain and page bookkeeping (no model involved)."""
+"""Page bookkeeping (no model involved); the hash chain itself is tested in tests/messages/test_prefix.py."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 
 from engine.kv.block_manager import BlockManager
-from engine.kv.prefix_hash import HASH_BYTES, block_hashes, chain_hash
-
-
-def test_one_hash_per_full_block_each_covering_everything_before_it():
-    tokens = list(range(300))
-    hashes = block_hashes("m", tokens)
-    assert len(hashes) == 2 and all(len(h) == HASH_BYTES for h in hashes)
-    assert hashes[1] == chain_hash(hashes[0], "m", tokens[128:256])
-    changed_first = block_hashes("m", [999] + tokens[1:])
-    assert changed_first[0] != hashes[0] and changed_first[1] != hashes[1]
-    assert block_hashes("other-model", tokens) != hashes
-    assert block_hashes("m", tokens[:256]) == hashes  # the partial third block is not hashed
-    assert block_hashes("m", tokens + list(range(100)), previous=hashes) == block_hashes("m", tokens + list(range(100)))
-
-
-def test_hash_is_fixed_by_its_definition():
-    """blake2b-128 over (len(prev), prev, len(model id) u32 LE, model id, tokens as int32 LE)."""
-    import hashlib
-    import struct
-
-    tokens = list(range(128))
-    expected = hashlib.blake2b(b"\x00" + struct.pack("<I", 3) + b"abc" + struct.pack("<128i", *tokens), digest_size=16)
-    assert block_hashes("abc", tokens) == [expected.digest()]
-    with pytest.raises(ValueError, match="int32"):
-        chain_hash(b"", "m", [2**31])
-
-
-def test_prefix_hash_imports_without_torch():
-    code = "import sys, engine.kv.prefix_hash; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_pages_are_reference_counted_and_cached_when_freed():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from engine.engine_core import EngineRequest
-from engine.kv.prefix_hash import block_hashes
 from engine.model.generate import greedy_generate
+from messages.prefix import block_hashes
 from tests.engine.references import greedy_params, make_prompt, run_engine
 
 

@@ -1,5 +1,5 @@
 """KvWriterService over real ZeroMQ: write / lookup / read round trips, direct reads by a worker,
-typed errors, bounded pending writes, the per-reply byte limit, file I/O off the event loop, gc,
+writes answered only on error or when an ack is asked, typed errors, bounded pending writes, the per-reply byte limit, file I/O off the event loop, gc,
 metrics, restart and a clean stop."""
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from kvstore import SegmentStore, StoreReader, StoreSettings
 from messages.common import TrafficClass
 from messages.control import ServiceState, StatusQuery
 from messages.errors import ErrorCode, RemoteError, RequestTimeout
 from messages.kv_store import KvLookup, KvLookupReply, KvPages, KvReadPages, KvWriteAck, KvWritePages
 from services.catalog import resolve
-from services.kv_writer import SegmentStore, StoreReader, StoreSettings
 from services.kv_writer.service import KvWriterService
 from services.runtime.config import ServiceConfig
 from services.runtime.service import Service
-from tests.kv_writer.common import DAY, Clock, chain, page_for, same_bits
+from tests.kvstore.common import DAY, Clock, chain, page_for, same_bits
 
 
 async def eventually(predicate, timeout: float = 5.0, what: str = "condition") -> None:
@@ -57,8 +57,8 @@ async def running(tmp_path, settings=None, clock=time.time):
         assert await asyncio.gather(*tasks) == [0, 0]
 
 
-def write_message(keys, tc=TrafficClass.CHATBOT):
-    return KvWritePages(keys, list(range(len(keys))), "v4", tc), [page_for(k) for k in keys]
+def write_message(keys, tc=TrafficClass.CHATBOT, ack=True):
+    return KvWritePages(keys, list(range(len(keys))), "v4", tc, ack), [page_for(k) for k in keys]
 
 
 def sample(writer: KvWriterService, name: str) -> float:
@@ -77,12 +77,21 @@ async def test_write_lookup_read_round_trip_and_a_worker_reads_the_files_directl
         assert (await client.call(address, KvLookup(keys, with_locations=False))).message == KvLookupReply(6)
         env = await client.call(address, KvReadPages(keys[:3] + chain(1, seed=9) + keys[3:]))
         assert env.message == KvPages(3, [0, 1, 2])
-        assert all(same_bits(env.tensor(i), page_for(k)) for i, k in enumerate(keys[:3]))
+        assert all(same_bits(env.frame(i), page_for(k)) for i, k in enumerate(keys[:3]))
         assert (await client.call(address, KvReadPages(keys, layout="other"))).message.found == 0
         with StoreReader(writer.store.root) as reader:   # a prefill worker, no service in between
             direct = reader.read_locations(reply.locations, keys)
             assert all(same_bits(p, page_for(k)) for p, k in zip(direct, keys))
             assert reader.lookup(keys) == 6
+
+
+async def test_a_write_without_ack_is_stored_and_not_answered(tmp_path):
+    keys = chain(3)
+    async with running(tmp_path) as (writer, client, address):
+        msg, pages = write_message(keys, ack=False)
+        with pytest.raises(RequestTimeout):
+            await client.call(address, msg, buffers=pages, timeout=0.5)
+        assert (await client.call(address, KvLookup(keys))).message.hit_blocks == 3
 
 
 @pytest.mark.parametrize("bad", [
@@ -124,7 +133,7 @@ async def test_a_read_reply_stops_at_the_byte_limit_and_the_rest_comes_next(tmp_
         assert first.message.found == 2                           # ~4.2 KiB records: two fit
         rest = await client.call(address, KvReadPages(keys[2:]))
         assert rest.message.found == 2
-        assert same_bits(rest.tensor(1), page_for(keys[3]))
+        assert same_bits(rest.frame(1), page_for(keys[3]))
 
 
 async def test_file_io_runs_off_the_event_loop(tmp_path, monkeypatch):
@@ -193,7 +202,7 @@ async def test_a_restarted_service_serves_what_it_stored(tmp_path):
     async with running(tmp_path) as (writer, client, address):
         assert (await client.call(address, KvLookup(keys))).message.hit_blocks == 4
         env = await client.call(address, KvReadPages(keys))
-        assert all(same_bits(env.tensor(i), page_for(k)) for i, k in enumerate(keys))
+        assert all(same_bits(env.frame(i), page_for(k)) for i, k in enumerate(keys))
 
 
 async def test_a_locked_store_directory_fails_the_start(tmp_path):

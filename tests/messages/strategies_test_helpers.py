@@ -12,22 +12,17 @@ import typing
 from dataclasses import dataclass
 
 import msgspec
-import torch
+import numpy as np
 from hypothesis import strategies as st
 
 from messages import Codec, Message, message_types
+from messages.tensors import ITEMSIZE, NUMPY_NATIVE, TensorDesc
 
 INT_MIN, UINT_MAX = -(2**63), 2**64 - 1   # what a MessagePack integer can hold
 TEST_TAGS = 0xF000                        # tests may register their own types from here on
 
-# Every dtype that may travel, by wire name.
-WIRE_DTYPES: dict[str, torch.dtype] = {
-    "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
-    "int64": torch.int64, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float32": torch.float32, "float64": torch.float64, "bool": torch.bool,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
-NUMPY_DTYPES = [name for name in WIRE_DTYPES if name not in ("bfloat16", "float8_e4m3fn")]
+WIRE_DTYPES = list(ITEMSIZE)             # every dtype that may travel, by wire name
+NUMPY_DTYPES = sorted(NUMPY_NATIVE)       # those with a numpy dtype (the others travel as pairs)
 
 
 def catalogue() -> dict[int, type[Message]]:
@@ -76,27 +71,25 @@ def message_strategy(cls: type[Message]) -> st.SearchStrategy:
 
 # ---- buffers --------------------------------------------------------------------------------
 
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 @st.composite
-def tensors(draw, dtypes=tuple(WIRE_DTYPES), max_dim=4, max_ndim=4) -> torch.Tensor:
-    """Contiguous CPU tensors with random bit patterns (NaNs, infs, odd bools included)."""
-    dtype = WIRE_DTYPES[draw(st.sampled_from(dtypes))]
-    shape = draw(st.lists(st.integers(0, max_dim), max_size=max_ndim))
-    nbytes = math.prod(shape) * itemsize(dtype)
-    raw = draw(st.binary(min_size=nbytes, max_size=nbytes))
-    if not nbytes:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+def tensor_frames(draw, dtypes=tuple(WIRE_DTYPES), max_dim=4, max_ndim=4) -> tuple[TensorDesc, memoryview]:
+    """(TensorDesc, buffer) pairs with random bit patterns (NaNs, infs, odd bools included)."""
+    name = draw(st.sampled_from(dtypes))
+    shape = tuple(draw(st.lists(st.integers(0, max_dim), max_size=max_ndim)))
+    nbytes = math.prod(shape) * ITEMSIZE[name]
+    return TensorDesc(name, shape), memoryview(bytearray(draw(st.binary(min_size=nbytes, max_size=nbytes))))
+
+
+def as_array(frame: tuple[TensorDesc, memoryview]) -> np.ndarray:
+    desc, buf = frame
+    return np.frombuffer(buf, dtype=desc.dtype).reshape(desc.shape)
 
 
 def buffers() -> st.SearchStrategy:
-    """Anything `Codec.encode` takes as a buffer: tensors, numpy arrays, raw bytes."""
+    """Anything `Codec.encode` takes as a buffer: (TensorDesc, buffer) pairs, numpy arrays, raw bytes."""
     return st.one_of(
-        tensors(),
-        tensors(dtypes=NUMPY_DTYPES).map(lambda t: t.numpy()),
+        tensor_frames(),
+        tensor_frames(dtypes=NUMPY_DTYPES).map(as_array),
         st.binary(max_size=64),
     )
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,14 +26,15 @@ PER_TYPE = settings(max_examples=100, deadline=None,
 
 def decodes_or_refuses(frames) -> Envelope | None:
     """Decode untrusted frames: a WireError is the one allowed failure. A decoded envelope holds
-    the registered type and every buffer opens as a tensor of its declared shape."""
+    the registered type and every buffer frame holds the bytes its descriptor declares."""
     try:
         envelope = Codec().decode(frames)
     except WireError:
         return None
     assert type(envelope.message) is type_of(int.from_bytes(bytes(frames[0]), "big"))
     for i, desc in enumerate(envelope.header.tensors):
-        assert tuple(envelope.tensor(i).shape) == tuple(desc.shape)
+        got, view = envelope.frame(i)
+        assert got is desc and view.nbytes == desc.nbytes()
     return envelope
 
 
@@ -74,9 +74,10 @@ def test_deep_nesting_and_huge_lengths_decode_or_raise_wire_errors(data):
 
 @FUZZ
 @given(st.lists(hostile_descs, min_size=1, max_size=3))
-def test_descriptor_check_accepts_only_shapes_torch_can_build(descs):
+def test_descriptor_check_accepts_only_shapes_with_int64_strides(descs):
     """Zero-size descriptors match an empty frame whatever their other dims claim: such a header
-    must be refused unless torch can build the (empty) tensor it describes."""
+    must be refused unless a tensor library could build the (empty) tensor it describes (its
+    strides fit int64; tests/workers/test_tensors.py opens them in torch)."""
     header = [1, "m", "", "", "", 0.0, [list(d) for d in descs], msgspec.Raw(msgspec.msgpack.encode(Echo()))]
     decodes_or_refuses([b"\x01\x08", msgspec.msgpack.encode(header), *[b""] * len(descs)])
 
@@ -102,7 +103,6 @@ def test_empty_descriptor_with_overflowing_dims_is_malformed(shape):
 
 
 @pytest.mark.parametrize("shape", [(0, 2**62, 1), (2**63 - 1, 0), (0,) * 8])
-def test_empty_descriptor_with_large_but_buildable_dims_opens(shape):
+def test_empty_descriptor_with_large_but_buildable_dims_decodes(shape):
     envelope = Codec().decode(echo_frames(tensors=[("bfloat16", shape)], buffers=[b""]))
-    assert envelope.tensor(0).shape == torch.Size(shape)
-    assert envelope.header.tensors == [TensorDesc("bfloat16", shape)]
+    assert envelope.frame(0)[0] == TensorDesc("bfloat16", shape) and envelope.frame(0)[1].nbytes == 0

@@ -5,13 +5,14 @@ import asyncio
 import io
 
 import msgpack
+import numpy as np
 import pytest
-import torch
 import zmq
 import zmq.asyncio
 
 from messages import Codec
 from messages.control import Echo, EchoReply, Heartbeat, Load
+from messages.tensors import TensorDesc
 from ops.tap import Tap, describe_frames, tap
 from services.runtime.config import ServiceConfig
 from services.runtime.service import Service
@@ -20,7 +21,7 @@ TIMEOUT_S = 10
 
 
 def _echo_frames(codec: Codec) -> list:
-    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    tensor = np.arange(6, dtype=np.float32).reshape(2, 3)
     return codec.encode(Echo(b"hello", 1.5), request_id="req-7", traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
                         buffers=[tensor], msg_id="m-1")
 
@@ -111,7 +112,8 @@ async def test_tap_forwards_to_a_service_and_prints_the_reply(tmp_path, zmq_ctx)
         await asyncio.wait_for(service_task, TIMEOUT_S)
     assert reply.message == EchoReply(b"hello", "e")
     assert reply.header.in_reply_to == "m-1" and reply.request_id == "req-7"
-    assert torch.equal(reply.tensor(0), torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    desc, view = reply.frame(0)
+    assert desc == TensorDesc("float32", (2, 3)) and view == np.arange(6, dtype=np.float32).tobytes()
     lines = out.getvalue().splitlines()
     request = next(line for line in lines if "#1 -> " in line)
     answer = next(line for line in lines if "#2 <- " in line)

@@ -12,6 +12,7 @@ import zmq
 from messages import Codec
 from messages.control import Echo, EchoReply, ServiceState
 from messages.errors import ErrorCode, ErrorReply
+from services.workers.tensors import to_frame, torch_frame
 from tests.helpers.test_helper_processes import ServiceProcess, tcp_config, wait_until
 
 RELAY = "tests.helpers.test_helper_relay:TestHelperRelay"
@@ -63,14 +64,14 @@ def test_tensor_buffers_arrive_intact_across_processes(procs):
                torch.empty(0, 4)]
     client = SyncClient(echo.address)
     try:
-        client.send(Echo(b"payload"), request_id="r-tensors", buffers=tensors)
+        client.send(Echo(b"payload"), request_id="r-tensors", buffers=[to_frame(t) for t in tensors])
         reply = client.recv()
     finally:
         client.close()
     assert isinstance(reply.message, EchoReply) and reply.message.payload == b"payload"
     assert reply.request_id == "r-tensors"
     for i, sent in enumerate(tensors):
-        got = reply.tensor(i)
+        got = torch_frame(reply, i)
         assert got.dtype == sent.dtype and got.shape == sent.shape
         assert torch.equal(got.view(torch.uint8) if got.numel() else got, sent.view(torch.uint8) if sent.numel() else sent)
 

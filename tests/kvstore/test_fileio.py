@@ -8,9 +8,9 @@ import types
 
 import pytest
 
-from services.kv_writer import SegmentStore, StoreReader, StoreSettings
-from services.kv_writer.fileio import PosixIO, UsrbioIO, make_io
-from tests.kv_writer.common import Clock, chain, page_for, pages_of, same_bits
+from kvstore import SegmentStore, StoreReader, StoreSettings
+from kvstore.fileio import PosixIO, UsrbioIO, make_io
+from tests.kvstore.common import Clock, chain, page_for, pages_of, same_bits
 
 
 class _Result:

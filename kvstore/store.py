@@ -15,16 +15,17 @@ survives a killed process, not a power loss; not for 3FS, whose file length is e
 fsync). A block already stored with at least `refresh_fraction` of its TTL left is skipped; one
 closer to expiry is written again (a new copy that expires later), so hot prefixes stay.
 
-Space: `gc` drops whole segments whose records have all expired; before each write, the oldest
-segments (lowest sequence number) are dropped while the store plus the write (with an allowance for
-headers and footers) would exceed `capacity_bytes` (one write larger than the capacity overshoots).
+Space (space.py keeps the segment files): `gc` drops whole segments whose records have all expired;
+before each write, the oldest segments (lowest sequence number) are dropped while the store plus the
+write (with an allowance for headers and footers) would exceed `capacity_bytes` (one write larger
+than the capacity overshoots). A dropped segment's records are forgotten (index, then index log)
+before its file is deleted.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import fcntl
-import math
 import os
 import threading
 import time
@@ -33,28 +34,19 @@ from typing import Callable, Sequence
 
 import structlog
 
+from kvstore import record as fmt
+from kvstore.fileio import make_io
+from kvstore.index import BlockIndex
+from kvstore.indexlog import IndexLogWriter, generations
+from kvstore.record import Entry
+from kvstore.segment import PARALLEL_MIN_BYTES, OpenSegment, plan_reads, read_records, serve
+from kvstore.settings import StoreError, StoreLocked, StoreSettings, StoreStats, WriteResult
+from kvstore.space import SegmentSpace
 from messages.common import TrafficClass
 from messages.errors import InvalidRequest
 from messages.tensors import describe
-from services.kv_writer import record as fmt
-from services.kv_writer.fileio import make_io
-from services.kv_writer.index import BlockIndex
-from services.kv_writer.indexlog import IndexLogWriter, generations
-from services.kv_writer.record import Entry, FormatError
-from services.kv_writer.segment import (PARALLEL_MIN_BYTES, OpenSegment, plan_reads, read_records,
-                                        read_seq_floor, recover_segment, scan_segment, segment_path, serve,
-                                        write_seq_floor)
-from services.kv_writer.settings import (StoreError, StoreLocked, StoreSettings, StoreStats,
-                                         WriteResult)
 
 LOG_COMPACT_SLACK = 100_000    # index log entries beyond twice the live ones before a new generation
-
-
-class _SegmentInfo:
-    __slots__ = ("seq", "size", "max_expires_at")
-
-    def __init__(self, seq: int, size: int, max_expires_at: float):
-        self.seq, self.size, self.max_expires_at = seq, size, max_expires_at
 
 
 class SegmentStore:
@@ -67,9 +59,6 @@ class SegmentStore:
         self.stats = StoreStats()
         self.index = BlockIndex()
         self._stats_lock = threading.Lock()
-        self._segments: dict[int, _SegmentInfo] = {}
-        self._open: dict[int, OpenSegment] = {}          # expiry slice -> segment being filled
-        self._bytes = 0
         self._drops: collections.deque[tuple[bytes, int, int]] = collections.deque()   # corrupt records
         self._pool = ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix="kv-io") \
             if self.settings.io_threads else None
@@ -77,9 +66,9 @@ class SegmentStore:
         self._lock_fd = _lock(self.root, self.log)
         try:
             self.io = io or make_io(self.settings.backend, self.root, self.log)
-            self._next_seq = 0
-            self._rebuild()
+            self.space = SegmentSpace(self.io, self.root, self.settings, self.log)
             now = self.clock()
+            self.space.rebuild(self.index, self.stats, now)
             self._log = IndexLogWriter(self.root, (generations(self.root) or [0])[-1] + 1, self.index.export(),
                                        now, fsync=self._log_fsync)
         except BaseException:
@@ -95,11 +84,11 @@ class SegmentStore:
 
     @property
     def bytes_stored(self) -> int:
-        return self._bytes
+        return self.space.bytes
 
     @property
     def segment_count(self) -> int:
-        return len(self._segments)
+        return len(self.space)
 
     def lookup(self, chain: Sequence[bytes], now: float | None = None) -> int:
         """How many leading blocks of the hash chain the store holds, unexpired."""
@@ -120,8 +109,9 @@ class SegmentStore:
 
     def read(self, chain: Sequence[bytes], *, prefix: bool = True, layout: str = "", max_bytes: int | None = None,
              now: float | None = None) -> list:
-        """Pages (torch tensors as written) of the blocks. With `prefix`, the leading blocks that read
-        back intact (stopping at the first miss or past `max_bytes`); else one page or None per hash."""
+        """Pages of the blocks, (TensorDesc, memoryview) pairs with the dtype and shape written. With
+        `prefix`, the leading blocks that read back intact (stopping at the first miss or past
+        `max_bytes`); else one page or None per hash."""
         now = self.clock() if now is None else now
         with _bad_hashes_refused():
             requests, slots = plan_reads(self.index, chain, prefix, now)
@@ -141,8 +131,8 @@ class SegmentStore:
     # ---- writes (the one I/O thread) ------------------------------------------------------
     def write(self, pages: Sequence[tuple[bytes, object]], traffic_class: int = TrafficClass.CHATBOT,
               layout: str = "", now: float | None = None) -> WriteResult:
-        """Store (block hash, page) pairs not already stored; a page is a contiguous CPU tensor, an
-        array, a bytes-like object or a received (TensorDesc, buffer) pair. Bad input raises
+        """Store (block hash, page) pairs not already stored; a page is a contiguous numpy array, a
+        bytes-like object or a (TensorDesc, buffer) pair (a received frame, or a worker's tensor). Bad input raises
         InvalidRequest before anything is written; an I/O failure raises StoreError."""
         self._check_open()
         self._apply_drops()
@@ -159,7 +149,7 @@ class SegmentStore:
                 continue
             seen.add(key)
             todo.append((key, desc, view))
-        self._retire_idle(now)
+        self.space.retire_idle(now)
         overhead = fmt.max_header_len() + fmt.ENTRY_SIZE   # header, footer entry; and a new segment's ends
         incoming = sum(view.nbytes + overhead for _, _, view in todo) + fmt.SEGMENT_HEADER_SIZE + fmt.TRAILER_SIZE
         self._make_room(incoming if todo else 0)
@@ -172,18 +162,16 @@ class SegmentStore:
                 header = fmt.encode_record_header(key, int(traffic_class), expires_at, now, desc.dtype,
                                                   tuple(desc.shape), layout, view,
                                                   payload_crc=crcs[i].result() if crcs else None)
-                seg = self._segment_for(expires_at, len(header) + view.nbytes, now)
+                seg = self.space.segment_for(expires_at, len(header) + view.nbytes, now)
                 entry = seg.append(key, header, view, expires_at, now)
-                self._grow(seg, entry.length)
+                self.space.grow(seg, entry.length)
                 written.append((seg, entry))
                 if self.settings.fsync == "always":
                     seg.sync()
                     self._publish([entry])
         except OSError as exc:
             error = exc
-            failed = self._open.get(_slice(expires_at, self.settings.slice_s))
-            if failed is not None:
-                self._retire(failed)
+            self.space.retire_slice_of(expires_at)
         if written and self.settings.fsync != "always":
             try:
                 if self.settings.fsync == "batch":
@@ -211,10 +199,10 @@ class SegmentStore:
         self._check_open()
         now = self.clock() if now is None else now
         self._apply_drops()
-        self._retire_idle(now)
-        expired = [info for info in self._segments.values() if info.max_expires_at <= now]
-        for info in expired:
-            records = self._drop_segment(info.seq, "expired")
+        self.space.retire_idle(now)
+        expired = self.space.expired(now)
+        for seq in expired:
+            records = self._drop_segment(seq, "expired")
             self.stats.segments_expired += 1
             self.stats.records_expired += records
         if self._log.entries > 2 * len(self.index) + LOG_COMPACT_SLACK:
@@ -229,8 +217,7 @@ class SegmentStore:
             return
         self._closed = True
         try:
-            for seg in list(self._open.values()):
-                self._retire(seg)
+            self.space.close()
             self._log.close()
         finally:
             if self._pool is not None:
@@ -263,114 +250,22 @@ class SegmentStore:
         if self._closed:
             raise StoreError("the store is closed")
 
-    def _rebuild(self) -> None:
-        started = time.perf_counter()
-        now = self.clock()
-        segdir = os.path.join(self.root, "segments")
-        seqs = sorted(s for s in map(fmt.parse_segment_name, os.listdir(segdir)) if s is not None)
-        for seq in seqs:
-            path = segment_path(self.root, seq)
-            try:
-                scan = scan_segment(self.io, path, seq)
-            except FormatError as exc:   # not a segment of ours (or its header is gone): drop at next gc
-                self.log.error("kv_store.segment_unreadable", segment=seq, error=str(exc))
-                self._track(_SegmentInfo(seq, _size(path), float("-inf")))
-                continue
-            except OSError as exc:       # maybe transient: keep it, unindexed, until capacity evicts it
-                self.log.error("kv_store.segment_unreadable", segment=seq, error=repr(exc))
-                self._track(_SegmentInfo(seq, _size(path), float("inf")))
-                continue
-            if not scan.sealed:
-                self.log.warning("kv_store.segment_recovered", segment=seq, records=len(scan.entries),
-                                 cut_bytes=scan.size - scan.end, problem=scan.problem)
-                self.stats.segments_recovered += 1
-                if not len(scan.entries):
-                    os.unlink(path)
-                    continue
-                recover_segment(self.io, path, scan)
-            expires = scan.entries["expires"]
-            self.index.put_entries(scan.entries[expires > now])
-            self._track(_SegmentInfo(seq, scan.size, float(expires.max()) if len(expires) else float("-inf")))
-        self._next_seq = max(read_seq_floor(self.root), seqs[-1] + 1 if seqs else 0)
-        self.stats.rebuild_s = time.perf_counter() - started
-        self.log.info("kv_store.rebuilt", records=len(self.index), segments=len(self._segments),
-                      bytes=self._bytes, seconds=round(self.stats.rebuild_s, 3), io=self.io.name)
-
-    def _track(self, info: _SegmentInfo) -> None:
-        self._segments[info.seq] = info
-        self._bytes += info.size
-
-    def _grow(self, seg: OpenSegment, nbytes: int) -> None:
-        info = self._segments[seg.seq]
-        info.size += nbytes
-        info.max_expires_at = seg.max_expires_at
-        self._bytes += nbytes
-
-    def _segment_for(self, expires_at: float, nbytes: int, now: float) -> OpenSegment:
-        slice_index = _slice(expires_at, self.settings.slice_s)
-        seg = self._open.get(slice_index)
-        if seg is not None and seg.entries and seg.size + nbytes > self.settings.segment_bytes:
-            self._retire(seg)
-            seg = None
-        if seg is None:
-            if len(self._open) >= self.settings.max_open_segments:
-                self._retire(min(self._open.values(), key=lambda s: s.last_write))
-            seq = self._next_seq
-            self._next_seq += 1
-            write_seq_floor(self.root, self._next_seq)
-            seg = OpenSegment(self.io, self.root, seq, slice_index * self.settings.slice_s, now)
-            self._open[slice_index] = seg
-            self._track(_SegmentInfo(seq, seg.size, float("-inf")))
-        return seg
-
-    def _retire(self, seg: OpenSegment) -> None:
-        """Seal a segment and stop appending to it (on an I/O error it stays unsealed: the next
-        start verifies and seals it)."""
-        self._open = {k: s for k, s in self._open.items() if s is not seg}
-        if seg.fd < 0:
-            return
-        before = seg.size
-        try:
-            seg.seal()
-        except OSError as exc:
-            self.log.error("kv_store.seal_failed", segment=seg.seq, error=repr(exc))
-            seg.close()
-        info = self._segments.get(seg.seq)
-        if info is not None:
-            info.size += seg.size - before
-            self._bytes += seg.size - before
-
-    def _retire_idle(self, now: float) -> None:
-        for seg in [s for s in self._open.values() if now - s.last_write >= self.settings.slice_s]:
-            self._retire(seg)
-
     def _make_room(self, incoming: int) -> None:
-        while self._segments and self._bytes + incoming > self.settings.capacity_bytes:
-            seq = min(self._segments)
+        while (seq := self.space.over_capacity(incoming)) is not None:
             records = self._drop_segment(seq, "capacity")
             self.stats.segments_evicted += 1
             self.stats.records_evicted += records
 
     def _drop_segment(self, seq: int, reason: str) -> int:
         """Forget a segment (index, then index log), then delete its file; returns records forgotten."""
-        info = self._segments.pop(seq)
-        for slice_index, seg in list(self._open.items()):
-            if seg.seq == seq:
-                del self._open[slice_index]
-                seg.close()
+        size = self.space.remove(seq)
         records = self.index.drop_segment(seq)
-        self._bytes -= info.size
         try:
             self._log.append([Entry(fmt.DROP_SEGMENT, seq)])
         except OSError as exc:
             self.log.error("kv_store.log_failed", error=repr(exc))
-        try:
-            os.unlink(segment_path(self.root, seq))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            self.log.error("kv_store.unlink_failed", segment=seq, error=repr(exc))
-        self.log.info("kv_store.segment_dropped", segment=seq, reason=reason, records=records, bytes=info.size)
+        self.space.delete_file(seq)
+        self.log.info("kv_store.segment_dropped", segment=seq, reason=reason, records=records, bytes=size)
         return records
 
     def _publish(self, entries: list[Entry]) -> None:
@@ -404,6 +299,9 @@ def _checked_pages(pages: Sequence[tuple[bytes, object]]) -> list[tuple]:
             raise InvalidRequest(f"page {i}: {exc}") from None
         if len(desc.shape) > fmt.MAX_NDIM:
             raise InvalidRequest(f"page {i} has more than {fmt.MAX_NDIM} dimensions")
+        if any(d < 0 for d in desc.shape) or desc.nbytes() != view.nbytes:   # a pair's own descriptor
+            raise InvalidRequest(f"page {i}: {view.nbytes} bytes, its descriptor {desc.dtype}{list(desc.shape)} "
+                                 f"needs {desc.nbytes()}")
         checked.append((key, desc, view))
     return checked
 
@@ -415,17 +313,6 @@ def _bad_hashes_refused():
         yield
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"block hashes must be bytes of 1..{fmt.MAX_KEY_BYTES}: {exc}") from None
-
-
-def _slice(expires_at: float, slice_s: float) -> int:
-    return math.ceil(expires_at / slice_s)
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def _lock(root: str, log) -> int:

@@ -3,6 +3,8 @@
 See `record.py` for the bytes. A segment is written by one thread of one process; any number of
 readers, in any process, read records out of it by (offset, length), each read verifying both
 checksums, the key and the expiry. Anything wrong is a miss with a reason, never a served page.
+A page read back is a (TensorDesc, memoryview) pair over a buffer of its own (dtype and shape as
+written); it converts to a numpy array or (in a worker) an engine tensor without copying.
 """
 from __future__ import annotations
 
@@ -13,15 +15,10 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
-import torch
 
-from services.kv_writer import record as fmt
-from services.kv_writer.record import Entry, FormatError
-
-_TORCH = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
-          "int64": torch.int64, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "float32": torch.float32, "float64": torch.float64, "bool": torch.bool,
-          "float8_e4m3fn": torch.float8_e4m3fn}
+from kvstore import record as fmt
+from kvstore.record import Entry, FormatError
+from messages.tensors import TensorDesc
 
 
 def segment_path(root: str, seq: int) -> str:
@@ -214,7 +211,7 @@ class ReadRequest:
 
 @dataclass(slots=True)
 class ReadOutcome:
-    page: torch.Tensor | None
+    page: tuple[TensorDesc, memoryview] | None   # the record's payload, in its own buffer
     miss: str = ""                   # "" = served; else why not ("corrupt: ...", "expired", "error: ...")
     corrupt: bool = False            # checksum / format failure (the caller forgets the record)
 
@@ -278,8 +275,7 @@ def read_records(io, root: str, requests: Sequence[ReadRequest], now: float, lay
 def read_record(io, fd: int, req: ReadRequest, now: float, layout: str = "") -> ReadOutcome:
     if not fmt.MIN_RECORD_BYTES <= req.length <= fmt.MAX_RECORD_BYTES:
         return ReadOutcome(None, "corrupt: implausible record length", corrupt=True)
-    buf = torch.empty(req.length, dtype=torch.uint8)
-    raw = buf.numpy()
+    raw = np.empty(req.length, np.uint8)   # one fresh buffer per record: the page served is a view of it
     try:
         got = io.pread_into(fd, req.offset, raw)
     except OSError as exc:
@@ -296,11 +292,8 @@ def read_record(io, fd: int, req: ReadRequest, now: float, layout: str = "") -> 
     try:
         if fmt.checksum(view[header.header_len:], header.checksum_kind) != header.payload_crc:
             raise FormatError("payload checksum mismatch")
-        dtype = _TORCH[header.dtype]
-        numel = 1
-        for d in header.shape:
-            numel *= d
-        if any(d < 0 for d in header.shape) or numel * dtype.itemsize != header.payload_len:
+        desc = TensorDesc(header.dtype, header.shape)
+        if any(d < 0 for d in header.shape) or desc.nbytes() != header.payload_len:
             raise FormatError("shape does not match the payload")
     except FormatError as exc:
         return ReadOutcome(None, f"corrupt: {exc}", corrupt=True)
@@ -308,9 +301,7 @@ def read_record(io, fd: int, req: ReadRequest, now: float, layout: str = "") -> 
         return ReadOutcome(None, "expired")
     if layout and header.layout != layout:
         return ReadOutcome(None, f"layout {header.layout!r}, not {layout!r}")
-    if header.payload_len == 0:
-        return ReadOutcome(torch.empty(header.shape, dtype=dtype))
-    return ReadOutcome(buf[header.header_len:].view(dtype).view(header.shape))
+    return ReadOutcome((desc, view[header.header_len:]))
 
 
 def plan_reads(index, chain: Sequence[bytes], prefix: bool, now: float) -> tuple[list[ReadRequest], list[int]]:

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import os
 
+from kvstore import StoreReader
+from kvstore import record as fmt
+from kvstore.indexlog import IndexLogTail
+from kvstore.segment import segment_path
 from messages.common import TrafficClass
-from services.kv_writer import StoreReader
-from services.kv_writer import record as fmt
-from services.kv_writer.indexlog import IndexLogTail
-from services.kv_writer.segment import segment_path
-from tests.kv_writer.common import DAY, Clock, chain, open_store, page_for, pages_of, same_bits
-from tests.kv_writer.test_store import flip_bit
+from tests.kvstore.common import DAY, Clock, chain, open_store, page_for, pages_of, same_bits
+from tests.kvstore.test_store import flip_bit
 
 
 def newest_log(root) -> str:
@@ -131,7 +131,7 @@ def test_the_writer_compacts_its_log_into_a_new_generation(tmp_path, monkeypatch
             store.write(pages_of(chain(3, seed=seed)), TrafficClass.AGENT)
         store.write(pages_of(chain(2, seed=99)), TrafficClass.CHATBOT)
         clock.advance(3 * DAY)
-        monkeypatch.setattr("services.kv_writer.store.LOG_COMPACT_SLACK", 0)
+        monkeypatch.setattr("kvstore.store.LOG_COMPACT_SLACK", 0)
         store.gc()
         assert reader.lookup(chain(2, seed=99)) == 2 and len(reader) == 2
         assert reader.generation == generation + 1

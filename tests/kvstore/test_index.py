@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.kv_writer.index import BlockIndex, Location
-from services.kv_writer.indexkeys import Keys
+from kvstore.index import BlockIndex, Location
+from kvstore.indexkeys import Keys
 
 
 def model_put(model: dict, key: bytes, loc: Location) -> bool:

@@ -4,9 +4,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from kvstore.fileio import BACKENDS
 from messages.common import TrafficClass
 from messages.errors import InvalidRequest
-from services.kv_writer.fileio import BACKENDS
 
 DAY = 86400.0
 FSYNC_POLICIES = ("none", "batch", "always")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from services.kv_writer import SegmentStore, StoreReader, StoreSettings
-from tests.kv_writer import crash_writer
-from tests.kv_writer.common import chain, same_bits
+from kvstore import SegmentStore, StoreReader, StoreSettings
+from tests.kvstore import crash_writer
+from tests.kvstore.common import chain, same_bits
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("batch", "none", "always")   # one writer process per policy, each killed -9
@@ -25,7 +25,7 @@ CHAINS_PER_ROUND = 8
 
 def start_writer(root: str, first: int, fsync: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen([sys.executable, "-m", "tests.kv_writer.crash_writer", root, str(first), fsync],
+    return subprocess.Popen([sys.executable, "-m", "tests.kvstore.crash_writer", root, str(first), fsync],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import numpy as np
 
-from services.kv_writer import record as fmt
-from services.kv_writer.record import Entry, FormatError
+from kvstore import record as fmt
+from kvstore.record import Entry, FormatError
 
 _NONE = fmt.entry_array([])
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.kv_writer import record as fmt
-from services.kv_writer.record import Entry, FormatError
+from kvstore import record as fmt
+from kvstore.record import Entry, FormatError
 
 
 def header(**overrides) -> bytes:

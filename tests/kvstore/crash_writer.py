@@ -1,6 +1,6 @@
 """A writer process for the crash test: writes chains of pages as fast as it can until killed.
 
-`python -m tests.kv_writer.crash_writer ROOT FIRST_CHAIN FSYNC` writes chain FIRST_CHAIN,
+`python -m tests.kvstore.crash_writer ROOT FIRST_CHAIN FSYNC` writes chain FIRST_CHAIN,
 FIRST_CHAIN+1, ... (CHAIN_BLOCKS blocks each, pages from `crash_page`), printing "wrote <chain>"
 after each write call returns. Pages are cheap to make so that the process spends its time writing.
 """
@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
-from services.kv_writer import SegmentStore, StoreSettings
-from tests.kv_writer.common import chain, page_for
+from kvstore import SegmentStore, StoreSettings
+from messages.tensors import TensorDesc
+from tests.kvstore.common import chain, page_for
 
 CHAIN_BLOCKS = 8
 PAGE_TILES = 128             # a page = a 4 KiB random tile (from its hash) repeated: 512 KiB
 SEGMENT_BYTES = 8 << 20
 
 
-def crash_page(key: bytes) -> torch.Tensor:
-    return page_for(key).repeat(PAGE_TILES)
+def crash_page(key: bytes) -> tuple[TensorDesc, memoryview]:
+    desc, tile = page_for(key)
+    return TensorDesc(desc.dtype, (desc.shape[0] * PAGE_TILES,)), memoryview(bytes(tile) * PAGE_TILES)
 
 
 def main(root: str, first: int, fsync: str) -> None:

@@ -22,12 +22,12 @@ from typing import Callable, Sequence
 import numpy as np
 import structlog
 
-from services.kv_writer import record as fmt
-from services.kv_writer.fileio import make_io
-from services.kv_writer.index import BlockIndex
-from services.kv_writer.indexlog import IndexLogTail
-from services.kv_writer.record import FormatError
-from services.kv_writer.segment import ReadRequest, plan_reads, read_records, serve
+from kvstore import record as fmt
+from kvstore.fileio import make_io
+from kvstore.index import BlockIndex
+from kvstore.indexlog import IndexLogTail
+from kvstore.record import FormatError
+from kvstore.segment import ReadRequest, plan_reads, read_records, serve
 
 
 class StoreReader:

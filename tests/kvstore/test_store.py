@@ -6,16 +6,16 @@ import os
 
 import numpy as np
 import pytest
-import torch
 from structlog.testing import capture_logs
 
+from kvstore import SegmentStore, StoreError, StoreLocked, StoreSettings
+from kvstore import record as fmt
+from kvstore.fileio import PosixIO
+from kvstore.segment import segment_path
 from messages.common import TrafficClass
 from messages.errors import InvalidRequest
-from services.kv_writer import SegmentStore, StoreError, StoreLocked, StoreSettings
-from services.kv_writer import record as fmt
-from services.kv_writer.fileio import PosixIO
-from services.kv_writer.segment import segment_path
-from tests.kv_writer.common import DAY, T0, Clock, chain, open_store, page_for, pages_of, same_bits
+from messages.tensors import TensorDesc
+from tests.kvstore.common import DAY, T0, Clock, bf16_page, chain, open_store, page_for, pages_of, same_bits
 
 AGENT, CHATBOT = TrafficClass.AGENT, TrafficClass.CHATBOT
 
@@ -34,17 +34,18 @@ def flip_bit(path: str, offset: int, bit: int = 0) -> None:
 
 def test_round_trip_is_bit_exact_for_bf16_pages_and_keeps_dtype_and_shape(tmp_path):
     keys = chain(6)
-    special = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-40, 3.0], dtype=torch.bfloat16)
-    pages = [(keys[0], page_for(keys[0])), (keys[1], special),
-             (keys[2], torch.randn(4, 33).to(torch.bfloat16)), (keys[3], torch.randn(7, 5)),
-             (keys[4], np.arange(100, dtype=np.uint8)), (keys[5], torch.randn(64).to(torch.float8_e4m3fn))]
+    rng = np.random.default_rng(0)
+    special = np.array([np.nan, -0.0, np.inf, -np.inf, 1e-40, 3.0], np.float32).view(np.uint32) >> 16   # bf16 bits
+    fp8 = TensorDesc("float8_e4m3fn", (64,)), memoryview(rng.integers(0, 256, 64, dtype=np.uint8))
+    pages = [(keys[0], page_for(keys[0])), (keys[1], bf16_page(special)),
+             (keys[2], bf16_page(rng.integers(0, 1 << 16, (4, 33)))),
+             (keys[3], rng.standard_normal((7, 5), np.float32)), (keys[4], np.arange(100, dtype=np.uint8)), (keys[5], fp8)]
     with open_store(tmp_path) as store:
         assert store.write(pages, CHATBOT, "v4/bf16").written == 6
         back = store.read(keys)
     assert len(back) == 6
     for (_, sent), got in zip(pages, back):
-        expected = torch.from_numpy(sent) if isinstance(sent, np.ndarray) else sent
-        assert same_bits(expected, got)
+        assert same_bits(sent, got)
 
 
 def test_pages_already_stored_are_skipped(tmp_path):
@@ -66,7 +67,7 @@ def test_longest_prefix_counts_leading_present_unexpired_blocks(tmp_path):
         assert store.lookup(keys[:4] + chain(2, seed=7)) == 4
         locations = store.locations(keys)
         assert len(locations) == 4 and all(fmt.parse_location(text)[0] == 0 for text in locations)
-        assert [p.shape for p in store.read(keys)] == [page_for(k).shape for k in keys[:4]]
+        assert [desc for desc, _ in store.read(keys)] == [page_for(k)[0] for k in keys[:4]]
         assert store.read(keys, prefix=False)[4] is None
         assert store.stats.lookups == 5 and store.stats.lookup_hits == 4 + 3 + 0 + 0 + 4
 
@@ -185,7 +186,7 @@ def test_restart_rebuilds_the_same_index_from_the_sealed_segments(tmp_path):
 
 def _crash(store: SegmentStore) -> None:
     """Leave the store as a killed process would: open segments unsealed, lock released."""
-    for seg in store._open.values():
+    for seg in store.space.open.values():
         seg.close()
     store._log.close()
     os.close(store._lock_fd)
@@ -256,7 +257,7 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
     with open_store(tmp_path) as store:
         for pages, tc in (([(keys[0], page_for(keys[0])), (b"", page_for(keys[1]))], CHATBOT),
                           ([(keys[0], page_for(keys[0])), (bytes(33), page_for(keys[1]))], CHATBOT),
-                          ([(keys[0], page_for(keys[0])), (keys[1], torch.randn(4, 4).t())], CHATBOT),
+                          ([(keys[0], page_for(keys[0])), (keys[1], np.zeros((4, 4), np.float32).T)], CHATBOT),
                           ([(keys[0], page_for(keys[0]))], 7)):
             with pytest.raises(InvalidRequest):
                 store.write(pages, tc)
