@@ -74,6 +74,7 @@ class PeerStatus(msgspec.Struct, array_like=True, gc=False):
     alive: bool
     last_heartbeat_age_s: float
     load: Load = msgspec.field(default_factory=Load)
+    state: int = ServiceState.RUNNING   # the peer's state from its last heartbeat
 
 
 @register(0x0106)

@@ -32,6 +32,8 @@ class GenerateChunk(Message):
     top_logprobs: list[list[TopLogprob]] = []
     usage: Usage | None = None             # on the last chunk
     error: str = ""
+    worker: str = ""                       # address of the worker streaming the request (its first chunk):
+                                           # the gateway aborts there and watches it for death
 
 
 @register(0x0203)

@@ -54,7 +54,14 @@ class StateAccepted(Message):
 
 @register(0x0403)
 class SwaFetch(Message):
-    prefix_hash: bytes
+    """The window + tails state at the first of `prefix_hashes` (block boundaries, best first) that
+    the receiver can serve, answered with SwaState. Sent to the SWA registry, which forwards it to
+    the holder (setting `reply_msg_id`); the holder then answers `reply_to` directly, as a reply
+    to the original call (one round trip for the requester)."""
+
+    prefix_hashes: list[bytes]
+    reply_to: str = ""             # the requester's address (set by the requester)
+    reply_msg_id: str = ""         # the requester's call id (set by the registry when it forwards)
 
 
 @register(0x0404)
@@ -63,3 +70,4 @@ class SwaState(Message):
     num_tokens: int = 0
     swa_frames: list[int] = []
     tail_frames: list[int] = []
+    prefix_hash: bytes = b""       # the boundary the state is at (one of the asked hashes)

@@ -43,8 +43,9 @@ HEALTH_RETRIES = 3
 PUBLISHED_HTTP = {"gateway": ("http_bind", "127.0.0.1:8000")}
 # kind -> (settings key naming a KV store directory, its default, read-only): a named volume each
 STORE_DIRS = {
-    "kv_writer": ("root", ".epd/kvstore", False),         # services/kv_writer/settings.py StoreSettings.root
-    "prefill_worker": ("kv_store_dir", "", True),         # services/workers/common.py: read with StoreReader
+    "kv_writer": ("root", ".epd/kvstore", False),         # kvstore/settings.py StoreSettings.root
+    "prefill_router": ("kv_store_dir", "", True),         # services/prefill_router/settings.py: the index
+    "prefill_worker": ("kv_store_dir", "", True),         # services/workers/engine_worker.py: read with StoreReader
     "decode_worker": ("kv_store_dir", "", True),
     "unified_worker": ("kv_store_dir", "", True),
 }

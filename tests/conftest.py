@@ -15,11 +15,3 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("models") / MODEL_NAME
     write_random_model_dir("tiny", out, seed=0)
     return out
-
-
-def link_model(cwd: Path, model_dir: Path) -> None:
-    """Make `cwd/.epd/models/<name>` (the topologies' relative model path) point at model_dir."""
-    target = cwd / ".epd" / "models" / model_dir.name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if not target.exists():
-        target.symlink_to(model_dir)

@@ -1,4 +1,5 @@
-"""Decode router: picks the decode instance by score = alpha*kv_usage + beta*batch_size (normalised)."""
-from services.decode_router.core import DecodeCandidate, DecodePolicy, DecodeRouterCore, Scored, score
+"""Decode router: publishes the decode pool's load table; the score = alpha*kv_usage + beta*batch_size
+(normalised) ranks its workers."""
+from services.decode_router.core import DecodeCandidate, DecodePolicy, Scored, rank, score
 
-__all__ = ["DecodeCandidate", "DecodePolicy", "DecodeRouterCore", "Scored", "score"]
+__all__ = ["DecodeCandidate", "DecodePolicy", "Scored", "rank", "score"]

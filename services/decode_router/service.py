@@ -1,78 +1,75 @@
-"""DecodeRouterService: the asyncio shell around DecodeRouterCore.
+"""DecodeRouterService: the decode pool's membership, published as a load table.
 
-Decode workers (kind `worker_kind`) register with this router and heartbeat their Load
-(kv_usage = fraction of KV pages in use, batch_size = requests running, capacity = most requests
-they take, 0 = no limit). The prefill router asks DecodePick (request id in the envelope) and gets
-DecodeChoice(instance, address) of the lowest-scoring alive, RUNNING worker, or ErrorReply
-OVERLOADED when none is alive (or all are at capacity).
+Decode workers (kind `worker_kind`) register with this router and heartbeat their Load (kv_usage =
+fraction of KV pages in use, batch_size = requests running, capacity = most requests they take,
+0 = no limit). Prefill routers ask DecodeTableQuery in the background and get DecodeTable: every
+alive worker's last load, its state and the heartbeat's age, with the score's weights. They choose
+the decode worker for each request locally (services/decode_router/core.py `rank`), so no request
+waits on a round trip to this router.
 
-Settings (ServiceConfig.settings): alpha, beta, pick_hold_s (see DecodePolicy), worker_kind
-(default "decode_worker").
+Settings (ServiceConfig.settings): alpha, beta (see DecodePolicy), worker_kind (default
+"decode_worker").
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+import time
+from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily
 
-from messages.routing import DecodeChoice, DecodePick
-from services.decode_router.core import DecodeCandidate, DecodePolicy, DecodeRouterCore
+from messages.routing import DecodeTable, DecodeTableQuery
+from services.decode_router.core import DecodePolicy
 from services.runtime.config import ServiceConfig
 from services.runtime.context import Context
-from services.runtime.membership import Peer
 from services.runtime.service import Handler, Service
+from services.runtime.settings import parse_settings
 
 
-def _settings(values: Mapping[str, Any]) -> tuple[DecodePolicy, str]:
-    policy_keys = {"alpha", "beta", "pick_hold_s"}
-    unknown = set(values) - policy_keys - {"worker_kind"}
-    if unknown:
-        raise ValueError(f"unknown decode_router settings: {sorted(unknown)}")
-    worker_kind = values.get("worker_kind", "decode_worker")
-    if not worker_kind or not isinstance(worker_kind, str):
-        raise ValueError("worker_kind must name the kind decode workers register as")
-    return DecodePolicy(**{k: v for k, v in values.items() if k in policy_keys}), worker_kind
+@dataclass(frozen=True, slots=True)
+class DecodeRouterSettings:
+    alpha: float = 1.0
+    beta: float = 1.0
+    worker_kind: str = "decode_worker"
+
+    def __post_init__(self) -> None:
+        DecodePolicy(self.alpha, self.beta)   # validates the weights
+        if not self.worker_kind:
+            raise ValueError("worker_kind must name the kind decode workers register as")
 
 
 class DecodeRouterService(Service):
     kind = "decode_router"
 
     def __init__(self, config: ServiceConfig):
-        policy, self.worker_kind = _settings(config.settings)
-        self.core = DecodeRouterCore(policy)
+        self.settings = parse_settings(DecodeRouterSettings, config.settings, self.kind)
+        self.tables_sent = 0
         super().__init__(config)
-        self.metrics.registry.register(_Collector(self.core, self.kind, config.instance))
+        self.metrics.registry.register(_Collector(self, config.instance))
 
     def handlers(self) -> dict[type, Handler]:
-        return {DecodePick: self._on_pick}
+        return {DecodeTableQuery: self._on_table_query}
 
-    def candidates(self) -> list[DecodeCandidate]:
-        return [DecodeCandidate(p.instance, p.address, p.load, p.accepts_work)
-                for p in self.members.alive(self.worker_kind)]
+    def table(self) -> DecodeTable:
+        now = time.monotonic()
+        workers = [s for s in self.members.status(now) if s.alive and s.kind == self.settings.worker_kind]
+        return DecodeTable(workers, self.settings.alpha, self.settings.beta)
 
-    async def _on_pick(self, msg: DecodePick, ctx: Context) -> DecodeChoice:
-        chosen = self.core.pick(self.candidates())
-        self.log.debug("decode.picked", request_id=ctx.request_id, instance=chosen.instance,
-                       prompt_tokens=msg.prompt_tokens)
-        return DecodeChoice(chosen.instance, chosen.address)
-
-    def on_peer_dead(self, peer: Peer) -> None:
-        super().on_peer_dead(peer)
-        self.core.forget(peer.instance)
+    async def _on_table_query(self, msg: DecodeTableQuery, ctx: Context) -> DecodeTable:
+        self.tables_sent += 1
+        return self.table()
 
     async def on_start(self) -> None:
-        self.log.info("decode_router.started", alpha=self.core.policy.alpha, beta=self.core.policy.beta,
-                      worker_kind=self.worker_kind)
+        s = self.settings
+        self.log.info("decode_router.started", alpha=s.alpha, beta=s.beta, worker_kind=s.worker_kind)
 
 
 class _Collector:
-    def __init__(self, core: DecodeRouterCore, kind: str, instance: str):
-        self.core = core
-        self.labels = [kind, instance]
+    def __init__(self, service: DecodeRouterService, instance: str):
+        self.service = service
+        self.labels = [service.kind, instance]
 
     def collect(self):
-        for name, doc in (("picks", "Decode instances chosen"),
-                          ("refused", "DecodePick refused: no eligible decode worker")):
-            family = CounterMetricFamily(f"epd_decode_router_{name}", doc, labels=["kind", "instance"])
-            family.add_metric(self.labels, getattr(self.core.stats, name))
-            yield family
+        family = CounterMetricFamily("epd_decode_router_tables", "Load tables sent to prefill routers",
+                                     labels=["kind", "instance"])
+        family.add_metric(self.labels, self.service.tables_sent)
+        yield family

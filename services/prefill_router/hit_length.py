@@ -14,7 +14,7 @@ All functions are pure; bad input raises ValueError.
 """
 from __future__ import annotations
 
-BLOCK_TOKENS = 128       # seeds: block KV pages of 128 tokens
+from messages.prefix import BLOCK_TOKENS   # seeds: block KV pages of 128 tokens
 SWA_WINDOW = 128         # seeds: the SWA window covers the last 128 tokens
 ROLLBACK_SLACK = 6       # SYSTEM.md: L - 134 = 128 window + 6 tokens of speculative rollback
 

@@ -2,22 +2,18 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from messages import Envelope, Message
 from services.runtime.tracing import SpanContext
-
-if TYPE_CHECKING:
-    from services.runtime.service import Service
-    from services.runtime.transport import Link
+from services.runtime.transport import Link
 
 
 class Context:
     __slots__ = ("service", "envelope", "identity", "link", "span", "received_at", "replied")
 
-    def __init__(self, service: "Service", envelope: Envelope, span: SpanContext, *,
-                 identity: bytes | None = None, link: "Link | None" = None):
-        self.service = service
+    def __init__(self, service, envelope: Envelope, span: SpanContext, *,
+                 identity: bytes | None = None, link: Link | None = None):
+        self.service = service        # the Service (services/runtime/service.py) that received it
         self.envelope = envelope
         self.identity = identity      # set when the message came in on our Inbox
         self.link = link              # set when it came in on one of our Links

@@ -2,18 +2,14 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from messages.control import ServiceState
 
-if TYPE_CHECKING:
-    from services.runtime.service import Service
 
-
-async def serve_metrics(service: "Service") -> None:
+async def serve_metrics(service) -> None:
     async def metrics(_request):
         return web.Response(body=service.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -60,7 +60,8 @@ class MembershipTable:
         return [p for p in self._peers.values() if p.alive and (kind is None or p.kind == kind)]
 
     def status(self, now: float) -> list[PeerStatus]:
-        return [PeerStatus(p.instance, p.kind, p.address, p.alive, round(now - p.last_seen, 3), p.load)
+        return [PeerStatus(p.instance, p.kind, p.address, p.alive, round(now - p.last_seen, 3), p.load,
+                           int(p.state))
                 for p in self._peers.values()]
 
 

@@ -1,8 +1,8 @@
 """Service: the asyncio shell around a service's logic.
 
 A subclass declares `handlers()` (message type -> async method) once; the shell owns the rest:
-sockets, decoding, a bounded inbound queue, dispatch, replies, request/reply calls to peers,
-membership of the peers that register with it, the link to its own upstream, lifecycle
+sockets, decoding, a bounded inbound queue, dispatch, replies, request/reply calls to peers
+(calls.py), membership of the peers that register with it, the link to its own upstream, lifecycle
 (STARTING -> RUNNING -> DRAINING -> STOPPED) and the per-request summary log line.
 
 Dispatch: an accepted request starts at once while fewer than `concurrency` handlers run, else it
@@ -32,6 +32,7 @@ from messages.control import (Drain, Echo, EchoReply, Heartbeat, HeartbeatAck, L
                               Registered, ServiceState, StatusQuery, StatusReply)
 from messages.envelope import new_msg_id
 from messages.errors import Draining, ErrorCode, Overloaded, PeerDead, RequestTimeout, UnexpectedMessage
+from services.runtime.calls import PendingCalls
 from services.runtime.config import ServiceConfig
 from services.runtime.context import Context
 from services.runtime.logs import REQUEST_FIELDS
@@ -49,6 +50,7 @@ CONTROL_TYPES = (Register, Heartbeat, HeartbeatAck, Registered, StatusQuery, Sta
 
 class Service:
     kind = "echo"   # the base class alone is a complete diagnostic service: status, membership, echo
+    streamed_types: tuple[type, ...] = ()   # parts of a request the subclass summarises itself: no line each
 
     def __init__(self, config: ServiceConfig):
         self.config = config
@@ -66,9 +68,7 @@ class Service:
             Drain: self._on_drain, Echo: self._on_echo, **self.handlers()}
         self._zmq: zmq.Context | None = None
         self._links: dict[str, Link] = {}
-        self._pending: dict[str, tuple[asyncio.Future, str, float]] = {}   # msg id -> (reply future, address, deadline)
-        self._sweep: asyncio.TimerHandle | None = None   # one timer for every call's timeout: the earliest deadline
-        self._sweep_at = 0.0
+        self._calls = PendingCalls()
         self._backlog: deque[tuple[Context, contextvars.Context]] = deque()   # accepted, waiting for a free slot
         self._running = 0                          # request handlers running (<= config.concurrency)
         self._handler_tasks: set[asyncio.Task] = set()   # running handler tasks (cancelled at stop)
@@ -168,8 +168,7 @@ class Service:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._sweep is not None:
-            self._sweep.cancel()
+        self._calls.close()
         try:
             await self.on_stop()
         finally:
@@ -196,8 +195,7 @@ class Service:
         return task
 
     def in_background(self, coro, failed_event: str, level: str = "error") -> asyncio.Task:
-        """Run `coro` beside the handlers, unawaited: its failure is logged as `failed_event` at
-        `level`; stopping the service cancels it if it still runs."""
+        """Run `coro` beside the handlers, unawaited; a failure is logged as `failed_event`; stop cancels it."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(lambda done: self._background_done(done, failed_event, level))
@@ -221,14 +219,13 @@ class Service:
         link = self._links.pop(address, None)
         if link is not None:
             link.close(0)
-        for future, target, _ in list(self._pending.values()):   # calls to it will never be answered
-            if target == address and not future.done():
-                future.set_exception(PeerDead(f"{address} is gone"))
+        self._calls.fail_to(address)   # calls to it will never be answered
 
     def send(self, address: str, message: Message, *, request_id: str = "", span: SpanContext | None = None,
-             buffers=(), msg_id: str = "") -> None:
+             buffers=(), msg_id: str = "", in_reply_to: str = "") -> None:
+        """One-way send; `in_reply_to` answers a call another service forwarded here (that caller's reply)."""
         frames = self.codec.encode(message, request_id=request_id, buffers=buffers, msg_id=msg_id,
-                                   traceparent=span.traceparent if span else "")
+                                   in_reply_to=in_reply_to, traceparent=span.traceparent if span else "")
         self.link(address).send(frames)
         self.metrics.sent(type(message).__name__)
 
@@ -236,43 +233,17 @@ class Service:
                    span: SpanContext | None = None, buffers=(), timeout: float | None = None) -> Envelope:
         """Send and wait for the reply; an ErrorReply is raised as RemoteError."""
         msg_id = new_msg_id()
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        deadline = loop.time() + (timeout or self.config.call_timeout_s)
-        self._pending[msg_id] = (future, address, deadline)
-        if self._sweep is None or deadline < self._sweep_at:   # one shared timer, not call_later per call
-            self._arm_sweep(loop, deadline)
+        future = self._calls.open(msg_id, address, timeout or self.config.call_timeout_s)
         try:
             self.send(address, message, request_id=request_id, span=span, buffers=buffers, msg_id=msg_id)
             envelope = await future
         except asyncio.TimeoutError:
             raise RequestTimeout(f"{type(message).__name__} to {address} got no reply", request_id=request_id) from None
         finally:
-            self._pending.pop(msg_id, None)
+            self._calls.forget(msg_id)
         if isinstance(envelope.message, ErrorReply):
             raise envelope.message.to_exception(request_id)
         return envelope
-
-    def _arm_sweep(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
-        if self._sweep is not None:
-            self._sweep.cancel()
-        self._sweep_at = when
-        self._sweep = loop.call_at(when, self._expire_calls)
-
-    def _expire_calls(self) -> None:
-        """The timer of the earliest deadline: time out every call past its deadline, re-arm for the next."""
-        self._sweep = None
-        loop = asyncio.get_running_loop()
-        now, earliest = loop.time(), None
-        for future, _, deadline in list(self._pending.values()):
-            if future.done():
-                continue
-            if deadline <= now:
-                future.set_exception(asyncio.TimeoutError())
-            elif earliest is None or deadline < earliest:
-                earliest = deadline
-        if earliest is not None and self.state != ServiceState.STOPPED:
-            self._arm_sweep(loop, earliest)
 
     # ---- receiving ---------------------------------------------------------------------
     def _accept(self, frames: list, *, identity: bytes | None = None, link: Link | None = None) -> None:
@@ -288,10 +259,7 @@ class Service:
         header = envelope.header
         type_name = type(envelope.message).__name__
         self.metrics.received(type_name)
-        pending = self._pending.get(header.in_reply_to) if header.in_reply_to else None
-        if pending is not None:
-            if not pending[0].done():
-                pending[0].set_result(envelope)
+        if header.in_reply_to and self._calls.settle(header.in_reply_to, envelope):
             return
         ctx = Context(self, envelope, span_from(header.traceparent), identity=identity, link=link)
         handler = self._handlers.get(type(envelope.message))
@@ -364,7 +332,7 @@ class Service:
         finally:
             done = time.time()
             self.metrics.observe(type_name, done - started)
-            if summarize and header.request_id:
+            if summarize and header.request_id and not isinstance(ctx.message, self.streamed_types):
                 self.log.info("request.summary", type=type_name, sender=header.sender, start=started,
                               wire_ms=round((ctx.received_at - header.sent_at) * 1e3, 3),
                               queue_ms=round((started - ctx.received_at) * 1e3, 3),

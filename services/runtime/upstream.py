@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import TYPE_CHECKING
 
 from messages import WireError
 from messages.control import Heartbeat, Register, Registered
 
-if TYPE_CHECKING:
-    from services.runtime.service import Service
 
 BACKOFF_START_S = 0.25
 BACKOFF_MAX_S = 8.0
 
 
 class UpstreamLink:
-    def __init__(self, service: "Service"):
+    def __init__(self, service):
         self.service = service
         self.address = service.config.upstream
         self.connected = False

@@ -1,8 +1,12 @@
 """SwaRegistryService: the asyncio shell around SwaRegistry.
 
-Workers send SwaRegister / SwaUnregister (answered with SwaAck(count)) and SwaLookup (answered
-with SwaLookupReply, one holder or "" per hash). A background task removes expired entries; a
-registered peer that stops heartbeating loses all entries held under its address.
+Workers send SwaRegister / SwaUnregister (one-way: answered with SwaAck(count) only when they ask
+for it, or with an ErrorReply) and SwaLookup (answered with SwaLookupReply, one holder or "" per
+hash). SwaFetch (prefill workers: the window at the first of these boundaries) is forwarded to the
+holder of the first boundary that has one, other than the requester, which answers the requester
+directly as the reply to its call; no holder: SwaState(found=False) from here. A background task
+removes expired entries; a registered peer that stops heartbeating loses all entries held under
+its address.
 
 Settings (ServiceConfig.settings): default_ttl_s, max_ttl_s, max_entries, max_hashes_per_message
 (see RegistryLimits), expire_interval_s (how often expiry runs) and expire_batch (entries removed
@@ -11,24 +15,25 @@ before yielding to the event loop).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from messages.errors import InvalidRequest, WireError
+from messages.handoff import SwaFetch, SwaState
 from messages.swa_registry import SwaAck, SwaLookup, SwaLookupReply, SwaRegister, SwaUnregister
 from services.runtime.config import ServiceConfig
 from services.runtime.context import Context
 from services.runtime.membership import Peer
 from services.runtime.service import Handler, Service
+from services.runtime.settings import flat_field, parse_settings
 from services.swa_registry.core import RegistryLimits, SwaRegistry
 
 
 @dataclass(slots=True, frozen=True)
 class SwaRegistrySettings:
-    limits: RegistryLimits
+    limits: RegistryLimits = flat_field(RegistryLimits)
     expire_interval_s: float = 1.0
     expire_batch: int = 2_000     # ~10 ms of work between yields
 
@@ -38,39 +43,49 @@ class SwaRegistrySettings:
         if self.expire_batch < 1:
             raise ValueError("expire_batch must be >= 1")
 
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "SwaRegistrySettings":
-        limit_keys = {f.name for f in dataclasses.fields(RegistryLimits)}
-        own_keys = {"expire_interval_s", "expire_batch"}
-        unknown = set(values) - limit_keys - own_keys
-        if unknown:
-            raise ValueError(f"unknown swa_registry settings: {sorted(unknown)}")
-        limits = RegistryLimits(**{k: v for k, v in values.items() if k in limit_keys})
-        return cls(limits, **{k: v for k, v in values.items() if k in own_keys})
-
 
 class SwaRegistryService(Service):
     kind = "swa_registry"
 
     def __init__(self, config: ServiceConfig):
-        self.settings = SwaRegistrySettings.from_mapping(config.settings)
+        self.settings = parse_settings(SwaRegistrySettings, config.settings, self.kind)
         self.registry = SwaRegistry(self.settings.limits)
         self._expiry: asyncio.Task | None = None
         super().__init__(config)
         self.metrics.registry.register(_RegistryCollector(self.registry, self.kind, config.instance))
 
     def handlers(self) -> dict[type, Handler]:
-        return {SwaRegister: self.on_register, SwaLookup: self.on_lookup, SwaUnregister: self.on_unregister}
+        return {SwaRegister: self.on_register, SwaLookup: self.on_lookup, SwaUnregister: self.on_unregister,
+                SwaFetch: self.on_fetch}
 
     # ---- handlers ----------------------------------------------------------------------
-    async def on_register(self, msg: SwaRegister, ctx: Context) -> SwaAck:
-        return SwaAck(self.registry.register(msg.prefix_hashes, msg.holder, msg.ttl_s))
+    async def on_register(self, msg: SwaRegister, ctx: Context) -> SwaAck | None:
+        count = self.registry.register(msg.prefix_hashes, msg.holder, msg.ttl_s)
+        return SwaAck(count) if msg.ack else None
 
     async def on_lookup(self, msg: SwaLookup, ctx: Context) -> SwaLookupReply:
         return SwaLookupReply(self.registry.lookup(msg.prefix_hashes))
 
-    async def on_unregister(self, msg: SwaUnregister, ctx: Context) -> SwaAck:
-        return SwaAck(self.registry.unregister(msg.prefix_hashes, msg.holder))
+    async def on_unregister(self, msg: SwaUnregister, ctx: Context) -> SwaAck | None:
+        count = self.registry.unregister(msg.prefix_hashes, msg.holder)
+        return SwaAck(count) if msg.ack else None
+
+    async def on_fetch(self, msg: SwaFetch, ctx: Context) -> SwaState | None:
+        if not msg.reply_to:
+            raise InvalidRequest("SwaFetch to the registry needs reply_to (the requester's address)",
+                                 request_id=ctx.request_id)
+        holders = self.registry.lookup(msg.prefix_hashes)
+        holder = next((h for h in holders if h and h != msg.reply_to), "")
+        if not holder:
+            return SwaState(found=False)
+        hashes = [p for p, h in zip(msg.prefix_hashes, holders) if h == holder]
+        try:
+            self.send(holder, SwaFetch(hashes, msg.reply_to, ctx.envelope.header.msg_id),
+                      request_id=ctx.request_id, span=ctx.span)
+        except WireError as exc:
+            self.log.warning("swa_fetch.unforwardable", holder=holder, code=exc.code.name)
+            return SwaState(found=False)
+        return None
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def on_start(self) -> None:

@@ -2,6 +2,8 @@
 whose model identity (model dir, dtype) differs would never hit a prefix: it says so, once."""
 from __future__ import annotations
 
+from messages.prefix import BLOCK_TOKENS, block_hashes as chain_of
+
 
 class HashChainCheck:
     def __init__(self) -> None:
@@ -9,10 +11,9 @@ class HashChainCheck:
 
     def check(self, log, model_id: str, prompt_ids, block_hashes) -> bool:
         """True when the chain's first block hash is this worker's (or nothing to compare)."""
-        from engine.kv.prefix_hash import BLOCK_SIZE, block_hashes as ours   # torch-free
-        if not block_hashes or len(prompt_ids) < BLOCK_SIZE:
+        if not block_hashes or len(prompt_ids) < BLOCK_TOKENS:
             return True
-        if block_hashes[0] == ours(model_id, list(prompt_ids[:BLOCK_SIZE]))[0]:
+        if block_hashes[0] == chain_of(model_id, list(prompt_ids[:BLOCK_TOKENS]))[0]:
             return True
         if not self.warned:
             self.warned = True

@@ -26,9 +26,8 @@ import openai
 from messages.kv_store import KvLookup
 from messages.swa_registry import SwaLookup, SwaUnregister
 from ops.control_client import call
-from tests.conftest import link_model
 from tests.helpers.test_helper_processes import REPO, wait_until
-from tests.ops.test_stack_commands import free_port_base, pid_alive
+from tests.helpers.test_helper_stack import free_port_base, link_model, pid_alive
 
 MODEL = "deepseek-v4-tiny"
 MODEL_DIR = f".epd/models/{MODEL}"
@@ -78,7 +77,7 @@ name = "prefill_router"
 kind = "prefill_router"
 dead_after = 30       # a worker slowed down by a busy test machine must not lose its bucket
 [service.settings]
-{peers}
+kv_store_dir = ".epd/kvstore"
 decode_router = "{at(DECODE_ROUTER)}"
 bucket_bounds = [{SPLIT}, 4096, 16384]
 round_s = 86400.0
@@ -168,7 +167,7 @@ class ReuseStack:
         return list(reply.holders)
 
     def unregister(self, block_hash: bytes, holder: str) -> int:
-        reply = call(self.address(SWA_REGISTRY), SwaUnregister([block_hash], holder), timeout_s=5.0)
+        reply = call(self.address(SWA_REGISTRY), SwaUnregister([block_hash], holder, ack=True), timeout_s=5.0)
         assert reply is not None, "the SWA registry did not answer SwaUnregister"
         return reply.count
 
@@ -204,7 +203,7 @@ class Prompts:
     """Chat prompts rendered by the gateway's adapter: token ids and the block hash chain."""
 
     def __init__(self, model_dir: Path):
-        from engine.model_identity import model_identity
+        from messages.prefix import model_identity
         from services.gateway.adapter import Adapter, AdapterConfig, ServedModel
         served = ServedModel(MODEL, context_length=8192, tokenizer_path=str(model_dir / "tokenizer.json"))
         self.adapter = Adapter(AdapterConfig(models=(served,)))
@@ -216,5 +215,5 @@ class Prompts:
         return self.adapter.prepare(Protocol.CHAT, json.dumps(body).encode()).prompt_ids
 
     def hashes(self, ids: list[int]) -> list[bytes]:
-        from engine.kv.prefix_hash import block_hashes
+        from messages.prefix import block_hashes
         return block_hashes(self.model_id, ids)

@@ -15,7 +15,7 @@ from ops import bench
 from ops.bench import stack
 from ops.bench.stack_local import moved_topology
 from ops.bench.stack_sides import Outcome, Round
-from tests.ops.test_stack_commands import pid_alive
+from tests.helpers.test_helper_stack import pid_alive
 
 STREAMS, ROUNDS, MAX_TOKENS = 2, 1, 4
 

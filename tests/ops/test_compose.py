@@ -106,7 +106,7 @@ def test_every_topology_service_is_one_compose_service_running_serve_kind_from_o
         assert set(service["environment"]) <= {"EPD_" + f.name.upper() for f in dataclasses.fields(ServiceConfig)}
         assert service["environment"]["EPD_KIND"] == spec.kind
         assert "entrypoint" not in service and "env_file" not in service
-        assert ("volumes" in service) == (spec.kind in ("kv_writer", "prefill_worker")), spec.name
+        assert ("volumes" in service) == (spec.kind in ("kv_writer", "prefill_router", "prefill_worker")), spec.name
 
 
 @pytest.mark.parametrize("topology", [load_topology("default"), rich_topology()], ids=["default", "rich"])
@@ -177,8 +177,7 @@ def test_the_default_stack_names_its_peers_by_service_and_scales_its_worker_pool
     services = yaml.safe_load(compose.render(topology))["services"]
     bind = {name: port(service["environment"]["EPD_BIND"]) for name, service in services.items()}
     router = json.loads(services["prefill_router"]["environment"]["EPD_SETTINGS"])
-    assert {k: router[k] for k in ("kv_writer", "swa_registry", "decode_router")} == {
-        name: f"tcp://{name}:{bind[name]}" for name in ("kv_writer", "swa_registry", "decode_router")}
+    assert router["decode_router"] == f"tcp://decode_router:{bind['decode_router']}"
     for worker, router_name in (("prefill_worker", "prefill_router"), ("decode_worker", "decode_router")):
         env = services[worker]["environment"]
         # each replica registers with the router by its own container hostname: --scale works
@@ -197,7 +196,8 @@ def test_the_kv_store_is_one_named_volume_written_by_the_writer_and_read_by_the_
     root = json.loads(services["kv_writer"]["environment"]["EPD_SETTINGS"])["root"]
     path = f"{compose.CONTAINER_WORKDIR}/{root}"
     assert services["kv_writer"]["volumes"] == [f"epd_kvstore:{path}"]
-    assert services["prefill_worker"]["volumes"] == [f"epd_kvstore:{path}:ro"]   # StoreReader never writes
+    for reader in ("prefill_worker", "prefill_router"):   # StoreReader never writes
+        assert services[reader]["volumes"] == [f"epd_kvstore:{path}:ro"]
     assert json.loads(services["prefill_worker"]["environment"]["EPD_SETTINGS"])["kv_store_dir"] == root
     assert document["volumes"] == {"epd_kvstore": {}}
     # the image has the directory, owned by its user, so a new volume is created with that owner

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ops.test_stack_commands import down_stack, up_stack
+from tests.helpers.test_helper_stack import down_stack, up_stack
 
 
 @pytest.fixture(scope="package")

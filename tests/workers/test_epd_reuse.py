@@ -13,7 +13,7 @@ import random
 import pytest
 import tokenizers
 
-from tests.workers.epd_reuse_stack import (DECODE_WORKER, MODEL, NO_THINKING, SPLIT, Prompts, down,
+from tests.helpers.test_helper_reuse_stack import (DECODE_WORKER, MODEL, NO_THINKING, SPLIT, Prompts, down,
                                            up)
 
 BLOCK = 128

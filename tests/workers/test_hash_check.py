@@ -1,7 +1,7 @@
 """A worker compares the gateway's first block hash with its own model identity's."""
 from __future__ import annotations
 
-from engine.kv.prefix_hash import block_hashes
+from messages.prefix import block_hashes
 from services.workers.hash_check import HashChainCheck
 
 

@@ -1,7 +1,8 @@
 """Prefill and decode workers in-process over real ZeroMQ, with a real KV writer and SWA registry:
 the hand-off continues exactly like a unified engine, the decode worker persists prompt and generated
 blocks and advertises its boundary states, and a second prefill worker loads a prefix from the store
-(StoreReader or KvReadPages) plus the window state from its holder (SwaFetch) and reports it as hit."""
+(StoreReader or KvReadPages) plus the window state from its holder (one SwaFetch through the SWA
+registry) and reports it as hit; without the window at L1 it takes L1 - 128, without either 0."""
 from __future__ import annotations
 
 import asyncio
@@ -9,14 +10,14 @@ import asyncio
 import pytest
 
 from engine.engine_core import EngineConfig, EngineCore, EngineRequest
-from engine.kv.prefix_hash import block_hashes
 from messages.common import FinishReason
 from messages.control import ServiceState
 from messages.errors import ErrorCode, RemoteError
 from messages.generate import AbortRequest, GenerateChunk, GenerateRequest
 from messages.handoff import KVSnapshot, StateHandoff
 from messages.routing import PrefillDone, PrefillWork
-from messages.swa_registry import SwaLookup
+from messages.prefix import block_hashes
+from messages.swa_registry import SwaLookup, SwaUnregister
 from services.kv_writer.service import KvWriterService
 from services.runtime.config import ServiceConfig
 from services.runtime.service import Service
@@ -112,12 +113,12 @@ async def stack(tmp_path, tiny_model_dir):
     await s.close()
 
 
-async def generate(s: Stack, prefill: Service, rid: str, prompt: list[int], max_tokens: int, *, hit: int = 0,
-                   holder: str = "") -> tuple[PrefillDone, list[int], GenerateChunk]:
+async def generate(s: Stack, prefill: Service, rid: str, prompt: list[int], max_tokens: int, *,
+                   hit: int = 0) -> tuple[PrefillDone, list[int], GenerateChunk]:
     request = GenerateRequest(model="tiny", prompt_ids=prompt, sampling=greedy_params(max_tokens),
                               block_hashes=block_hashes(s.decode.model_id, prompt),
                               return_address=s.gw.config.advertise)
-    work = PrefillWork(request, hit, holder, s.decode.config.advertise)
+    work = PrefillWork(request, hit, s.decode.config.advertise)
     done = (await s.gw.call(prefill.config.advertise, work, request_id=rid, timeout=120)).message
     await eventually(lambda: s.gw.finished(rid), timeout=120, what=f"{rid} finished")
     return done, s.gw.tokens(rid), s.gw.chunks[rid][-1]
@@ -151,35 +152,48 @@ async def test_hand_off_then_prefix_from_store_and_holders(stack, reference):
     hashes = block_hashes(s.decode.model_id, full)
     await eventually(lambda: s.kv.store.lookup(hashes) == 3, timeout=10, what="three blocks persisted")
     # window states: prefill A holds those at 128 and 256 (it computed them), decode the one at 384
-    await eventually(lambda: s.decode.states_registered >= 1 and s.prefill_a.states_registered >= 2,
+    await eventually(lambda: s.decode.persister.states_registered >= 1 and s.prefill_a.persister.states_registered >= 2,
                      timeout=10, what="states registered")
     assert await holder_of(s, hashes[0]) == s.prefill_a.config.advertise
     assert await holder_of(s, hashes[1]) == s.prefill_a.config.advertise
     assert await holder_of(s, hashes[2]) == s.decode.config.advertise
 
     # prefill B has nothing cached: pages from the store files, the window at 256 from prefill A
-    second = prompt[:256] + make_prompt(60, 2).tolist()
-    done, tokens, last = await generate(s, s.prefill_b, "r2", second, 20, hit=256, holder=s.prefill_a.config.advertise)
-    assert (done.hit_tokens, done.computed_tokens) == (256, 60)
+    # (140 new tokens: the L - 134 cap leaves the hit at 256)
+    second = prompt[:256] + make_prompt(140, 2).tolist()
+    done, tokens, last = await generate(s, s.prefill_b, "r2", second, 20, hit=256)
+    assert (done.hit_tokens, done.computed_tokens) == (256, 140)
     assert last.usage.cached_tokens == 256 and tokens == reference(second, 20)
 
     # prefill C reads through the KV writer (KvReadPages); the window at 384 comes from the decode worker
-    third = full[:384] + make_prompt(30, 3).tolist()
-    done, tokens, last = await generate(s, s.prefill_c, "r3", third, 16, hit=384, holder=s.decode.config.advertise)
-    assert (done.hit_tokens, done.computed_tokens) == (384, 30)
+    third = full[:384] + make_prompt(140, 3).tolist()
+    done, tokens, last = await generate(s, s.prefill_c, "r3", third, 16, hit=384)
+    assert (done.hit_tokens, done.computed_tokens) == (384, 140)
     assert last.usage.cached_tokens == 384 and tokens == reference(third, 16)
 
 
-async def test_a_missing_holder_state_only_shortens_the_hit(stack, reference):
+async def test_without_the_window_at_l1_the_hit_is_one_block_less_and_without_either_none(stack, reference):
     s = stack
     prompt = make_prompt(280, 4).tolist()
     await generate(s, s.prefill_a, "r1", prompt, 8)
     hashes = block_hashes(s.decode.model_id, prompt)
     await eventually(lambda: s.kv.store.lookup(hashes) == 2, timeout=10, what="prompt blocks persisted")
-    # the decode worker does not hold the state at 256 (it restored at 280): the hit falls to 0
-    second = prompt[:256] + make_prompt(40, 5).tolist()
-    done, tokens, last = await generate(s, s.prefill_b, "r2", second, 8, hit=256, holder=s.decode.config.advertise)
-    assert done.hit_tokens == 0 and last.usage.cached_tokens == 0 and tokens == reference(second, 8)
+    await eventually(lambda: s.prefill_a.persister.states_registered >= 2, timeout=10, what="states registered")
+    # prefill A holds the windows at 128 and 256; once it no longer advertises the one at 256,
+    # prefill B gets the one at 128 (L1 - 128)
+    await s.gw.call(s.swa.config.advertise, SwaUnregister([hashes[1]], s.prefill_a.config.advertise, ack=True))
+    second = prompt[:256] + make_prompt(140, 5).tolist()
+    done, tokens, last = await generate(s, s.prefill_b, "r2", second, 8, hit=256)
+    assert done.hit_tokens == 128 and last.usage.cached_tokens == 128 and tokens == reference(second, 8)
+    # neither window advertised (prefill B now holds both too): prefill C (which holds none) computes everything
+    await eventually(lambda: s.swa.registry.lookup(hashes[:2]) == [s.prefill_b.config.advertise] * 2, timeout=10,
+                     what="prefill B advertises both windows")
+    for worker in (s.prefill_a, s.prefill_b):
+        await s.gw.call(s.swa.config.advertise, SwaUnregister(hashes[:2], worker.config.advertise, ack=True))
+    assert s.swa.registry.lookup(hashes[:2]) == ["", ""]
+    third = prompt[:256] + make_prompt(140, 6).tolist()
+    done, tokens, last = await generate(s, s.prefill_c, "r3", third, 8, hit=256)
+    assert done.hit_tokens == 0 and last.usage.cached_tokens == 0 and tokens == reference(third, 8)
 
 
 async def test_first_token_that_finishes_and_bad_work(stack, reference):
@@ -196,7 +210,7 @@ async def test_first_token_that_finishes_and_bad_work(stack, reference):
     big = GenerateRequest(model="tiny", prompt_ids=[10**9], sampling=greedy_params(4),
                           return_address=s.gw.config.advertise)
     with pytest.raises(RemoteError) as err:   # the engine refuses the prompt
-        await s.gw.call(s.prefill_a.config.advertise, PrefillWork(big, 0, "", s.decode.config.advertise),
+        await s.gw.call(s.prefill_a.config.advertise, PrefillWork(big, 0, s.decode.config.advertise),
                         request_id="bad2")
     assert err.value.code == ErrorCode.INVALID_REQUEST
     assert not s.prefill_a.jobs
@@ -208,7 +222,7 @@ async def test_abort_frees_a_decoding_request_and_a_fresh_request_still_runs(sta
     request = GenerateRequest(model="tiny", prompt_ids=prompt, sampling=greedy_params(3000),
                               block_hashes=block_hashes(s.decode.model_id, prompt),
                               return_address=s.gw.config.advertise)
-    done = (await s.gw.call(s.prefill_a.config.advertise, PrefillWork(request, 0, "", s.decode.config.advertise),
+    done = (await s.gw.call(s.prefill_a.config.advertise, PrefillWork(request, 0, s.decode.config.advertise),
                             request_id="long", timeout=120)).message
     assert done.computed_tokens == 140
     await eventually(lambda: len(s.gw.tokens("long")) > 3 if "long" in s.gw.chunks else False, timeout=60,
@@ -230,7 +244,7 @@ async def test_logprobs_cover_every_token_the_hand_off_included(stack, reference
     prompt = make_prompt(40, 9).tolist()
     sampling = greedy_params(6, logprobs=True, top_logprobs=3)
     request = GenerateRequest(model="tiny", prompt_ids=prompt, sampling=sampling, return_address=s.gw.config.advertise)
-    await s.gw.call(s.prefill_a.config.advertise, PrefillWork(request, 0, "", s.decode.config.advertise),
+    await s.gw.call(s.prefill_a.config.advertise, PrefillWork(request, 0, s.decode.config.advertise),
                     request_id="lp", timeout=120)
     await eventually(lambda: s.gw.finished("lp"), timeout=60, what="finished")
     chunks = s.gw.chunks["lp"]
@@ -259,7 +273,7 @@ async def test_a_dead_gateways_requests_are_freed(stack):
     prompt = make_prompt(30, 10).tolist()
     request = GenerateRequest(model="tiny", prompt_ids=prompt, sampling=greedy_params(3000),
                               return_address=s.gw.config.advertise)
-    await s.gw.call(s.prefill_a.config.advertise, PrefillWork(request, 0, "", s.decode.config.advertise),
+    await s.gw.call(s.prefill_a.config.advertise, PrefillWork(request, 0, s.decode.config.advertise),
                     request_id="orphan", timeout=120)
     await eventually(lambda: len(s.gw.chunks.get("orphan", [])) > 2, timeout=60, what="decoding")
     s.gw.stop()
@@ -272,7 +286,7 @@ async def test_a_refused_hand_off_fails_the_work_and_frees_the_prefill_state(sta
     prompt = make_prompt(30, 11).tolist()
     request = GenerateRequest(model="tiny", prompt_ids=prompt, sampling=greedy_params(3000),
                               return_address=s.gw.config.advertise)
-    work = PrefillWork(request, 0, "", s.decode.config.advertise)
+    work = PrefillWork(request, 0, s.decode.config.advertise)
     await s.gw.call(s.prefill_a.config.advertise, work, request_id="dup", timeout=120)
     with pytest.raises(RemoteError) as err:   # the decode worker already runs "dup": it refuses the state
         await s.gw.call(s.prefill_b.config.advertise, work, request_id="dup", timeout=120)

@@ -1,0 +1,121 @@
+"""PrefixLoader: a prefill worker puts the routed hit into its engine's prefix cache.
+
+The router sends the probe boundary (L1, the store's block-KV hit, capped at L - 134). Prefill
+resumes at a block boundary only with the window state there (the last 128 tokens' KV + tails), so:
+  - this engine already holds the pages and the state up to the probe: nothing to load;
+  - else the pages come from the KV store (read here, StoreReader on kv_store_dir, or KvReadPages
+    through the KV writer) while, at the same time, ONE SwaFetch to the SWA registry asks for the
+    window at the probe, else at the probe - 128 (seeds: L1, else L1 - 128); the registry forwards
+    it to the holder, which answers here directly. No holder: only the windows this engine holds.
+Every failure (store unreadable, holder gone, timeout) only shortens the hit; none fails the request.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from messages.errors import WireError
+from messages.handoff import BufferRole, KVSnapshot, SwaFetch
+from messages.kv_store import KvReadPages
+from messages.prefix import BLOCK_TOKENS
+from services.prefill_router.hit_length import hit_cap
+from services.runtime.tracing import SpanContext
+from services.workers.tensors import torch_frame, torch_view
+
+
+def _usable_prefix(engine, hashes: list[bytes]) -> int:
+    """Prefix tokens this engine can already serve from its cache for the chain (pages + state)."""
+    return engine.kv.usable_prefix(hashes)
+
+
+class PrefixLoader:
+    def __init__(self, worker):
+        self.worker = worker     # the PrefillWorker: settings, engine(), call(), log
+        self.reader = None
+
+    def open(self) -> None:
+        if self.worker.settings.kv_store_dir:
+            from kvstore.reader import StoreReader
+            self.reader = StoreReader(self.worker.settings.kv_store_dir,
+                                      log=self.worker.log.bind(component="kv_store_reader"))
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
+    async def load(self, request, probe: int, rid: str, span: SpanContext) -> int:
+        """Prompt tokens the engine will take from its cache (0 when nothing could be loaded)."""
+        worker = self.worker
+        blocks = probe // BLOCK_TOKENS
+        hashes = list(request.block_hashes[:blocks])
+        if probe <= 0 or probe % BLOCK_TOKENS or probe > hit_cap(len(request.prompt_ids)) or len(hashes) < blocks:
+            if probe:
+                worker.log.warning("kv_hit.ignored", request_id=rid, kv_hit_tokens=probe,
+                                   hint="not a block boundary within L - 134 of this prompt's hash chain")
+            return 0
+        local = await worker.engine(_usable_prefix, hashes)
+        if local >= probe:
+            return local
+        wanted = [b for b in (probe, probe - BLOCK_TOKENS) if b > local]
+        pages, state = await asyncio.gather(self._read_pages(hashes, rid, span),
+                                            self._fetch_window([hashes[b // BLOCK_TOKENS - 1] for b in wanted], rid, span))
+        upto = blocks if state is None else hashes.index(state[0].block_hashes[0]) + 1
+        pages = pages[:upto]
+        if not pages:
+            return local
+        boundary = state if state is not None and len(pages) == upto else None
+        hashes = hashes[: len(pages)]
+        try:
+            usable = await worker.engine(lambda engine: engine.import_prefix(hashes, [[p] for p in pages], boundary))
+        except ValueError as exc:
+            worker.log.warning("import_prefix.failed", request_id=rid, error=str(exc))
+            return local
+        worker.log.info("prefix.imported", request_id=rid, blocks=len(pages), with_state=boundary is not None,
+                        usable_tokens=usable)
+        return usable
+
+    async def _read_pages(self, hashes: list[bytes], rid: str, span: SpanContext) -> list:
+        worker = self.worker
+        try:
+            if self.reader is not None:
+                reader, layout = self.reader, worker.layout
+                found = await asyncio.get_running_loop().run_in_executor(None, lambda: reader.read(hashes, layout=layout))
+                return [torch_view(*page) for page in found]
+            if not worker.settings.kv_writer:
+                return []
+            pages: list = []
+            while len(pages) < len(hashes):   # a reply holds at most the writer's max_read_bytes
+                envelope = await worker.call(worker.settings.kv_writer, KvReadPages(hashes[len(pages):], worker.layout),
+                                             request_id=rid, span=span, timeout=worker.settings.fetch_timeout_s)
+                got = [torch_frame(envelope, i) for i in envelope.message.page_frames[: envelope.message.found]]
+                if not got:
+                    break
+                pages += got
+            return pages
+        except WireError as exc:
+            worker.log.warning("kv_read.failed", request_id=rid, code=exc.code.name, error=exc.message)
+            return []
+
+    async def _fetch_window(self, boundary_hashes: list[bytes], rid: str, span: SpanContext):
+        """(header, [window, tails]) of the first boundary someone holds, or None. One call: the
+        registry forwards it to the holder, whose answer lands here as its reply."""
+        worker = self.worker
+        if not boundary_hashes or not worker.settings.swa_registry:
+            return None
+        try:
+            envelope = await worker.call(worker.settings.swa_registry,
+                                         SwaFetch(boundary_hashes, reply_to=worker.config.advertise),
+                                         request_id=rid, span=span, timeout=worker.settings.fetch_timeout_s)
+        except WireError as exc:
+            worker.log.warning("swa_fetch.failed", request_id=rid, code=exc.code.name, error=exc.message)
+            return None
+        state = envelope.message
+        if not state.found or state.prefix_hash not in boundary_hashes or not state.swa_frames or not state.tail_frames:
+            worker.log.info("swa_fetch.miss", request_id=rid, asked=len(boundary_hashes))
+            return None
+        header = KVSnapshot(model_id=worker.model_id, num_tokens=state.num_tokens, block_hashes=[state.prefix_hash],
+                            roles=[int(BufferRole.SWA), int(BufferRole.TAILS)])
+        try:
+            return header, [torch_frame(envelope, state.swa_frames[0]), torch_frame(envelope, state.tail_frames[0])]
+        except WireError as exc:
+            worker.log.warning("swa_fetch.bad_reply", request_id=rid, error=exc.message)
+            return None
