@@ -19,7 +19,7 @@ from messages.errors import (FrameTooLarge, MalformedFrame, SchemaVersionMismatc
 from messages.registry import Message, tag_of, type_of
 from messages.tensors import TensorDesc, check, describe
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2   # 2: PrefillWork, SwaFetch changed; DecodePick/DecodeChoice retired
 
 
 class Header(msgspec.Struct, array_like=True, gc=False):

@@ -21,12 +21,11 @@ max_read_bytes.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -37,11 +36,12 @@ from messages.kv_store import KvLookup, KvLookupReply, KvPages, KvReadPages, KvW
 from services.runtime.config import ServiceConfig
 from services.runtime.context import Context
 from services.runtime.service import Handler, Service
+from services.runtime.settings import flat_field, parse_settings
 
 
 @dataclass(slots=True, frozen=True)
 class KvWriterSettings:
-    store: StoreSettings
+    store: StoreSettings = flat_field(StoreSettings)   # the store's own keys, given at the top level
     gc_interval_s: float = 60.0
     read_threads: int = 4
     max_blocks_per_message: int = 4096
@@ -54,22 +54,12 @@ class KvWriterSettings:
         if min(self.read_threads, self.max_blocks_per_message, self.max_pending_bytes, self.max_read_bytes) < 1:
             raise ValueError("read_threads, max_blocks_per_message, max_pending_bytes, max_read_bytes must be >= 1")
 
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "KvWriterSettings":
-        store_keys = StoreSettings.keys()
-        own_keys = {f.name for f in dataclasses.fields(cls)} - {"store"}
-        unknown = set(values) - store_keys - own_keys
-        if unknown:
-            raise ValueError(f"unknown kv_writer settings: {sorted(unknown)}")
-        store = StoreSettings(**{k: v for k, v in values.items() if k in store_keys})
-        return cls(store, **{k: v for k, v in values.items() if k in own_keys})
-
 
 class KvWriterService(Service):
     kind = "kv_writer"
 
     def __init__(self, config: ServiceConfig, clock: Callable[[], float] = time.time):
-        self.settings = KvWriterSettings.from_mapping(config.settings)
+        self.settings = parse_settings(KvWriterSettings, config.settings, self.kind)
         self.clock = clock   # wall clock for expiry (tests pass their own)
         self.store: SegmentStore | None = None
         self.pending_bytes = 0

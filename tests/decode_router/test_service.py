@@ -1,16 +1,16 @@
-"""DecodeRouterService over real ZeroMQ: decode workers register and heartbeat their load, DecodePick
-answers with the lowest-scoring live worker, draining and dead workers are skipped, none -> OVERLOADED."""
+"""DecodeRouterService over real ZeroMQ: decode workers register and heartbeat their load; a
+DecodeTableQuery is answered with DecodeTable: every alive decode worker with its last load, its
+state and its heartbeat's age, and the score's weights from the settings. Draining workers are
+listed as DRAINING, dead ones disappear, other kinds never appear; bad settings are refused."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from messages.control import Load, ServiceState
-from messages.errors import ErrorCode, RemoteError
 from messages.generate import AbortRequest
-from messages.routing import DecodeChoice, DecodePick
+from messages.routing import DecodeTable, DecodeTableQuery
 from services.catalog import resolve
 from services.decode_router.service import DecodeRouterService
 from services.runtime.config import ServiceConfig
@@ -21,7 +21,7 @@ FAST = {"heartbeat_s": 0.05, "dead_after": 3}
 
 
 class TestHelperDecodeWorker(Service):
-    """Test-only: a decode worker that reports a fixed load and records the aborts it gets."""
+    """Test-only: a decode worker that reports a settable load and records the aborts it gets."""
 
     kind = "decode_worker"
     __test__ = False
@@ -82,8 +82,8 @@ async def running(tmp_path):
     await services.close()
 
 
-async def start_router(running: Running, *workers: tuple[str, Load]):
-    router = await running.start(DecodeRouterService, "decode-router")
+async def start_router(running: Running, *workers: tuple[str, Load], settings=None):
+    router = await running.start(DecodeRouterService, "decode-router", settings=settings)
     client = await running.start(Service, "client")
     started = [await running.start(TestHelperDecodeWorker, name, upstream=router.config.advertise, load=load)
                for name, load in workers]
@@ -94,30 +94,60 @@ async def start_router(running: Running, *workers: tuple[str, Load]):
     return router, client, started
 
 
-async def test_decode_pick_answers_with_the_lowest_scoring_worker(running):
-    router, client, (a, b) = await start_router(
-        running, ("d-a", Load(batch_size=8, kv_usage=0.7)), ("d-b", Load(batch_size=16, kv_usage=0.1)))
-    reply = (await client.call(router.config.advertise, DecodePick(prompt_tokens=900, max_tokens=64),
-                               request_id="r1")).message
-    # normalised by the larger batch (16): a = 0.7 + 0.5 = 1.2, b = 0.1 + 1.0 = 1.1
-    assert reply == DecodeChoice("d-b", b.config.advertise)
+async def table_of(client: Service, router: DecodeRouterService) -> DecodeTable:
+    reply = (await client.call(router.config.advertise, DecodeTableQuery())).message
+    assert isinstance(reply, DecodeTable)
+    return reply
 
 
-async def test_recent_picks_spread_a_burst(running):
-    router, client, _ = await start_router(running, ("d-a", Load()), ("d-b", Load()))
-    picks = [(await client.call(router.config.advertise, DecodePick(), request_id=f"r{i}")).message.instance
-             for i in range(4)]
-    assert picks == ["d-a", "d-b", "d-a", "d-b"]
+def by_name(table: DecodeTable) -> dict:
+    return {w.instance: w for w in table.workers}
 
 
-async def test_no_decode_worker_alive_is_overloaded(running):
+async def test_the_table_lists_each_registered_worker_with_its_load_and_state(running):
+    a_load, b_load = Load(batch_size=8, kv_usage=0.7, capacity=32), Load(batch_size=16, kv_usage=0.1)
+    router, client, (a, b) = await start_router(running, ("d-a", a_load), ("d-b", b_load))
+    table = await table_of(client, router)
+    workers = by_name(table)
+    assert sorted(workers) == ["d-a", "d-b"]
+    for worker, load in ((a, a_load), (b, b_load)):
+        status = workers[worker.config.instance]
+        assert (status.address, status.kind, status.load) == (worker.config.advertise, "decode_worker", load)
+        assert status.alive and status.state == ServiceState.RUNNING
+        assert 0.0 <= status.last_heartbeat_age_s < 1.0        # seconds since it was heard, not a timestamp
+    assert (table.alpha, table.beta) == (1.0, 1.0)
+    labels = {"kind": "decode_router", "instance": "decode-router"}
+    assert router.metrics.registry.get_sample_value("epd_decode_router_tables_total", labels) == 1
+
+
+async def test_the_table_follows_load_changes(running):
+    router, client, (a,) = await start_router(running, ("d-a", Load(batch_size=1)))
+    a.fixed_load = Load(batch_size=5, kv_usage=0.5, capacity=8)
+    await eventually(lambda: router.members.get("d-a").load == a.fixed_load, what="new load heard")
+    assert by_name(await table_of(client, router))["d-a"].load == Load(batch_size=5, kv_usage=0.5, capacity=8)
+
+
+async def test_no_decode_worker_is_an_empty_table_not_an_error(running):
     router, client, _ = await start_router(running)
-    with pytest.raises(RemoteError) as err:
-        await client.call(router.config.advertise, DecodePick(), request_id="r1")
-    assert err.value.code == ErrorCode.OVERLOADED
+    assert (await table_of(client, router)).workers == []
 
 
-async def test_draining_and_dead_workers_are_skipped(running):
+async def test_only_the_decode_worker_kind_is_listed(running):
+    router, client, (a,) = await start_router(running, ("d-a", Load()))
+    await running.start(Service, "not-a-decoder", upstream=router.config.advertise)   # kind "echo"
+    await eventually(lambda: len(router.members.alive()) == 2, what="other kind registered")
+    assert list(by_name(await table_of(client, router))) == ["d-a"]
+
+
+async def test_the_worker_kind_comes_from_the_settings(running):
+    router, client, _ = await start_router(running, settings={"worker_kind": "echo"})
+    await running.start(Service, "echo-worker", upstream=router.config.advertise)
+    await running.start(TestHelperDecodeWorker, "d-a", upstream=router.config.advertise)
+    await eventually(lambda: len(router.members.alive()) == 2, what="both registered")
+    assert list(by_name(await table_of(client, router))) == ["echo-worker"]
+
+
+async def test_draining_workers_are_listed_as_draining_and_dead_ones_disappear(running):
     router, client, (a, b, c) = await start_router(
         running, ("d-a", Load()), ("d-b", Load(kv_usage=0.5)), ("d-c", Load(kv_usage=0.9)))
     a.busy = True
@@ -125,19 +155,35 @@ async def test_draining_and_dead_workers_are_skipped(running):
     await eventually(lambda: router.members.get("d-a").state == ServiceState.DRAINING, what="d-a draining")
     await running.stop(b)
     await eventually(lambda: not router.members.get("d-b").alive, what="d-b declared dead")
-    reply = (await client.call(router.config.advertise, DecodePick(), request_id="r1")).message
-    assert reply.instance == "d-c"
+    workers = by_name(await table_of(client, router))
+    assert sorted(workers) == ["d-a", "d-c"]
+    assert workers["d-a"].state == ServiceState.DRAINING and workers["d-c"].state == ServiceState.RUNNING
     await running.stop(c)
     await eventually(lambda: not router.members.get("d-c").alive, what="d-c declared dead")
-    with pytest.raises(RemoteError) as err:
-        await client.call(router.config.advertise, DecodePick(), request_id="r2")
-    assert err.value.code == ErrorCode.OVERLOADED
+    assert list(by_name(await table_of(client, router))) == ["d-a"]
     a.busy = False
 
 
-def test_the_catalog_knows_the_kind_and_bad_settings_are_refused(tmp_path):
+async def test_alpha_and_beta_come_from_the_settings(running):
+    router, client, _ = await start_router(running, settings={"alpha": 0.25, "beta": 3})
+    table = await table_of(client, router)
+    assert (table.alpha, table.beta) == (0.25, 3.0)
+
+
+def test_the_catalog_knows_the_kind():
     assert resolve("decode_router") is DecodeRouterService
-    for settings in ({"gamma": 1.0}, {"alpha": -1.0}, {"worker_kind": ""}):
-        with pytest.raises(ValueError):
-            DecodeRouterService(ServiceConfig(kind="decode_router", instance="r",
-                                              bind=f"ipc://{tmp_path}/r.sock", settings=settings))
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"gamma": 1.0}, "gamma"),
+    ({"pick_hold_s": 1.0}, "pick_hold_s"),          # retired with DecodePick
+    ({"alpha": -1.0}, "alpha"),
+    ({"beta": float("nan")}, "beta"),
+    ({"alpha": "high"}, "alpha"),
+    ({"worker_kind": ""}, "worker_kind"),
+])
+def test_bad_settings_are_refused_naming_the_service_and_the_key(tmp_path, settings, named):
+    with pytest.raises(ValueError) as err:
+        DecodeRouterService(ServiceConfig(kind="decode_router", instance="r",
+                                          bind=f"ipc://{tmp_path}/r.sock", settings=settings))
+    assert "decode_router" in str(err.value) and named in str(err.value)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from messages import Codec, Envelope, WireError
+from messages import SCHEMA_VERSION, Codec, Envelope, WireError
 from messages.control import Echo
 from messages.errors import MalformedFrame
 from messages.registry import type_of
@@ -78,7 +78,7 @@ def test_descriptor_check_accepts_only_shapes_with_int64_strides(descs):
     """Zero-size descriptors match an empty frame whatever their other dims claim: such a header
     must be refused unless a tensor library could build the (empty) tensor it describes (its
     strides fit int64; tests/workers/test_tensors.py opens them in torch)."""
-    header = [1, "m", "", "", "", 0.0, [list(d) for d in descs], msgspec.Raw(msgspec.msgpack.encode(Echo()))]
+    header = [SCHEMA_VERSION, "m", "", "", "", 0.0, [list(d) for d in descs], msgspec.Raw(msgspec.msgpack.encode(Echo()))]
     decodes_or_refuses([b"\x01\x08", msgspec.msgpack.encode(header), *[b""] * len(descs)])
 
 
@@ -86,7 +86,7 @@ def test_descriptor_check_accepts_only_shapes_with_int64_strides(descs):
 
 def echo_frames(body: msgspec.Raw | None = None, tensors=(), buffers=()) -> list:
     body = body or msgspec.Raw(msgspec.msgpack.encode(Echo()))
-    header = [1, "m", "r", "", "", 0.0, [list(t) for t in tensors], body]
+    header = [SCHEMA_VERSION, "m", "r", "", "", 0.0, [list(t) for t in tensors], body]
     return [b"\x01\x08", msgspec.msgpack.encode(header), *buffers]
 
 

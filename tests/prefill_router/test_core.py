@@ -87,6 +87,63 @@ def test_no_headroom_queues_then_headroom_dispatches_in_arrival_order(clock):
     assert core.rank_tokens("w0") == 3000
 
 
+def test_the_admitted_value_lands_in_the_hand_out(clock):
+    core = make(clock, rank("w0"))
+    for i in range(2):
+        submit(core, f"r{i}", SHORT)
+    handed = core.pump(admit=lambda item: f"slot-{item.request_id}")
+    assert [(h.request_id, h.admitted) for h in handed] == [("r0", "slot-r0"), ("r1", "slot-r1")]
+    submit(core, "r2", SHORT)
+    assert core.pump()[0].admitted is True              # no admit: admitted by default
+
+
+def test_a_none_admission_stops_the_pump_and_keeps_the_order(clock):
+    core = make(clock, rank("w0"))
+    for i in range(4):
+        submit(core, f"r{i}", SHORT)
+    slots = ["s0"]                                      # room for one request only
+    asked = []
+
+    def admit(item):
+        asked.append(item.request_id)
+        return slots.pop(0) if slots else None
+
+    assert [(h.request_id, h.admitted) for h in core.pump(admit=admit)] == [("r0", "s0")]
+    assert asked == ["r0", "r1"] and core.queued() == 3 and core.outstanding() == 1
+    assert core.rank_tokens("w0") == SHORT              # the refused head was not handed to the rank
+    assert core.pump(admit=lambda item: None) == [] and core.queued() == 3
+    slots.extend(["s1", "s2", "s3"])
+    assert [(h.request_id, h.admitted) for h in core.pump(admit=admit)] == [("r1", "s1"), ("r2", "s2"),
+                                                                           ("r3", "s3")]
+    assert core.stats.dispatched == 4
+
+
+def test_a_none_admission_stops_every_bucket_not_just_the_oldest(clock):
+    core = make(clock, rank("w0"), rank("w1"), rank("w2"), rank("w3"))
+    submit(core, "short", SHORT)
+    submit(core, "long", LONG)
+    asked = []
+
+    def admit_only_long(item):
+        asked.append(item.request_id)
+        return "slot" if item.request_id == "long" else None
+
+    assert core.pump(admit=admit_only_long) == [] and asked == ["short"]   # the oldest waits: all wait
+    assert core.queue_lengths() == [1, 0, 1, 0]
+    assert [h.request_id for h in core.pump(admit=lambda item: True)] == ["short", "long"]
+
+
+def test_admission_is_asked_only_when_a_rank_has_headroom(clock):
+    core = make(clock, rank("w0", tokens=40_000), rank_token_budget=32_768)
+    submit(core, "r0", SHORT)
+    asked = []
+    assert core.pump(admit=lambda item: asked.append(item.request_id) or "slot") == []
+    assert asked == []                                  # no decode slot taken for work with no rank
+    core.update_ranks([rank("w0", tokens=0)])
+    assert [h.admitted for h in core.pump(admit=lambda item: asked.append(item.request_id) or "slot")] == ["slot"]
+    assert asked == ["r0"]
+
+
 def test_a_heartbeat_older_than_a_hand_out_does_not_hide_it(clock):
     core = make(clock, rank("w0", seen_at=clock.now))
     submit(core, "a", SHORT)

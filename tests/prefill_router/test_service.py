@@ -1,25 +1,25 @@
-"""PrefillRouterService over real ZeroMQ, with the real SWA registry and decode router and test-only
-helpers for the gateway, the KV writer, the prefill ranks and a decode worker: hit length, decode
-choice, pull under headroom, dead ranks, aborts, overload."""
+"""PrefillRouterService over real ZeroMQ, with a real KV store directory and a real decode router, and
+test-only helpers for the gateway, the prefill ranks and the decode workers: the hit read from the
+store (capped), the decode worker chosen from the decode router's table, waiting (not refusing)
+while a decode worker or a rank has no room, the queue deadline, overload, aborts, dead ranks."""
 from __future__ import annotations
 
 import pytest
 
+from kvstore import SegmentStore, StoreSettings
 from messages import ErrorReply
 from messages.common import SamplingParams
 from messages.control import Load
 from messages.errors import ErrorCode
 from messages.generate import AbortRequest, GenerateChunk, GenerateRequest
-from messages.kv_store import KvLookup, KvLookupReply
 from messages.routing import PrefillDone, PrefillWork
-from messages.swa_registry import SwaRegister
 from services.catalog import resolve
 from services.decode_router.service import DecodeRouterService
 from services.prefill_router.service import PrefillRouterService
 from services.runtime.config import ServiceConfig
 from services.runtime.service import Service
-from services.swa_registry.service import SwaRegistryService
 from tests.decode_router.test_service import Running, TestHelperDecodeWorker, eventually
+from tests.kvstore.common import pages_of
 
 
 @pytest.fixture
@@ -29,8 +29,19 @@ async def running(tmp_path):
     await services.close()
 
 
+@pytest.fixture
+def kv_store(tmp_path):
+    """The KV writer's side of a store directory: the router reads the same directory."""
+    with SegmentStore(StoreSettings(root=str(tmp_path / "kvstore"))) as store:
+        yield store
+
+
 def h(i: int) -> bytes:
-    return i.to_bytes(32, "big")
+    return (i + 1).to_bytes(16, "big")
+
+
+def store_blocks(store: SegmentStore, *indices: int) -> None:
+    store.write(pages_of([h(i) for i in indices]))
 
 
 class TestHelperGateway(Service):
@@ -59,29 +70,6 @@ class TestHelperGateway(Service):
         self.send(self.config.upstream, AbortRequest("client"), request_id=rid)
 
 
-class TestHelperKvWriter(Service):
-    """Test-only: the KV writer's index: the longest stored prefix of the asked chain."""
-
-    kind = "kv_writer"
-    __test__ = False
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.stored: set[bytes] = set()
-        self.asked: list[list[bytes]] = []
-
-    def handlers(self):
-        return {KvLookup: self._lookup}
-
-    async def _lookup(self, msg: KvLookup, ctx) -> KvLookupReply:
-        assert not msg.with_locations        # the router needs only the hit length
-        self.asked.append(list(msg.block_hashes))
-        hits = 0
-        while hits < len(msg.block_hashes) and msg.block_hashes[hits] in self.stored:
-            hits += 1
-        return KvLookupReply(hits)
-
-
 class TestHelperPrefillWorker(Service):
     """Test-only: a prefill rank. Answers PrefillWork at once (auto) or when released; reports the
     work it holds in its heartbeats."""
@@ -102,7 +90,7 @@ class TestHelperPrefillWorker(Service):
     async def _on_work(self, msg: PrefillWork, ctx):
         self.works.append((ctx.request_id, msg))
         if self.auto:
-            return PrefillDone(msg.hit_tokens, len(msg.request.prompt_ids) - msg.hit_tokens)
+            return self._done(msg)
         self.held[ctx.request_id] = (msg, ctx)
         return None
 
@@ -112,171 +100,283 @@ class TestHelperPrefillWorker(Service):
 
     def release(self, rid: str, error: ErrorReply | None = None) -> None:
         msg, ctx = self.held.pop(rid)
-        ctx.reply(error or PrefillDone(msg.hit_tokens, len(msg.request.prompt_ids) - msg.hit_tokens))
+        ctx.reply(error or self._done(msg))
+
+    @staticmethod
+    def _done(msg: PrefillWork) -> PrefillDone:
+        return PrefillDone(msg.kv_hit_tokens, len(msg.request.prompt_ids) - msg.kv_hit_tokens)
+
+    def rids(self) -> list[str]:
+        return [rid for rid, _ in self.works]
 
     def load(self) -> Load:
         return Load(in_flight=len(self.held),
-                    queued_tokens=sum(len(w.request.prompt_ids) - w.hit_tokens for w, _ in self.held.values()))
+                    queued_tokens=sum(len(w.request.prompt_ids) - w.kv_hit_tokens for w, _ in self.held.values()))
 
 
-async def stack(running: Running, *, ranks: int = 1, auto: bool = True, decode: bool = True, **settings):
-    kv = await running.start(TestHelperKvWriter, "kv")
-    swa = await running.start(SwaRegistryService, "swa")
+class Stack:
+    def __init__(self, router, gateway, workers, decode_router, decoders):
+        self.router: PrefillRouterService = router
+        self.gateway: TestHelperGateway = gateway
+        self.workers: list[TestHelperPrefillWorker] = workers
+        self.decode_router: DecodeRouterService = decode_router
+        self.decoders: list[TestHelperDecodeWorker] = decoders
+
+    @property
+    def worker(self) -> TestHelperPrefillWorker:
+        return self.workers[0]
+
+    async def tables_seen(self, count: int = 2) -> None:
+        """Wait until the router has fetched (and pumped after) at least count - 1 more tables."""
+        start = self.decode_router.tables_sent
+        await eventually(lambda: self.decode_router.tables_sent >= start + count, what="tables fetched")
+
+    def error_of(self, rid: str) -> ErrorReply:
+        [reply] = self.gateway.received[rid]
+        assert isinstance(reply, ErrorReply)
+        return reply
+
+
+async def stack(running: Running, store: SegmentStore | None, *, ranks: int = 1, auto: bool = True,
+                decoders: tuple[Load, ...] = (Load(),), **settings) -> Stack:
     decode_router = await running.start(DecodeRouterService, "dr")
-    decoders = [await running.start(TestHelperDecodeWorker, "dw", upstream=decode_router.config.advertise)] \
-        if decode else []
+    decode_workers = [await running.start(TestHelperDecodeWorker, f"dw{i}", upstream=decode_router.config.advertise,
+                                          load=load) for i, load in enumerate(decoders)]
     router = await running.start(PrefillRouterService, "pr", settings={
-        "kv_writer": kv.config.advertise, "swa_registry": swa.config.advertise,
-        "decode_router": decode_router.config.advertise, **settings})
+        "kv_store_dir": store.root if store is not None else "", "decode_router": decode_router.config.advertise,
+        "decode_table_interval_s": 0.05, **settings})
     workers = [await running.start(TestHelperPrefillWorker, f"pw{i}", upstream=router.config.advertise, auto=auto)
                for i in range(ranks)]
     gateway = await running.start(TestHelperGateway, "gw", upstream=router.config.advertise)
     await eventually(lambda: len(router.members.alive("prefill_worker")) == ranks
                      and len(router.members.alive("gateway")) == 1
-                     and len(decode_router.members.alive("decode_worker")) == len(decoders), what="registered")
-    return router, gateway, workers, kv, swa, decoders
+                     and (not router.settings.decode_router or router.decode.fresh())
+                     and router.decode.workers() == (len(decoders) if router.settings.decode_router else 0),
+                     what="registered, decode table fetched")
+    return Stack(router, gateway, workers, decode_router, decode_workers)
 
 
-def error_of(gateway: TestHelperGateway, rid: str) -> ErrorReply:
-    [reply] = gateway.received[rid]
-    assert isinstance(reply, ErrorReply)
-    return reply
-
-
-async def test_a_request_goes_out_with_its_hit_length_swa_holder_and_decode_instance(running):
-    router, gateway, [worker], kv, swa, [decoder] = await stack(running)
-    kv.stored = {h(i) for i in range(5)}                       # L1 = 5 blocks = 640
-    client = await running.start(Service, "client")
-    await client.call(swa.config.advertise, SwaRegister([h(4)], "tcp://holder:7"))   # window at 640
-    gateway.generate("r1", 1000)                               # 7 hashes; cap 1000 - 134 -> 768
-    await eventually(lambda: worker.works, what="work arrived")
-    rid, work = worker.works[0]
-    assert rid == "r1" and work.hit_tokens == 640 and work.swa_holder == "tcp://holder:7"
-    assert work.decode_address == decoder.config.advertise
-    assert work.request.prompt_ids == list(range(1000)) and work.request.return_address == gateway.config.advertise
-    assert kv.asked == [[h(i) for i in range(6)]]              # only hashes below the cap are asked
-    await eventually(lambda: router.core.outstanding() == 0, what="PrefillDone seen")
-    assert router.core.stats.finished == 1 and "r1" not in gateway.received
+async def test_a_request_goes_out_with_the_stores_hit_and_the_best_decode_worker(running, kv_store):
+    store_blocks(kv_store, 0, 1, 2, 3, 4)                      # L1 = 5 blocks = 640
+    s = await stack(running, kv_store, decoders=(Load(batch_size=4, kv_usage=0.9), Load(batch_size=4, kv_usage=0.1)))
+    s.gateway.generate("r1", 1000)                             # 7 hashes; cap 1000 - 134 -> 768
+    await eventually(lambda: s.worker.works, what="work arrived")
+    rid, work = s.worker.works[0]
+    assert rid == "r1" and work.kv_hit_tokens == 640
+    assert work.decode_address == s.decoders[1].config.advertise   # kv 0.1 beats kv 0.9 at equal batch
+    assert work.request.prompt_ids == list(range(1000)) and work.request.return_address == s.gateway.config.advertise
+    await eventually(lambda: s.router.core.outstanding() == 0, what="PrefillDone seen")
+    assert s.router.core.stats.finished == 1 and "r1" not in s.gateway.received
+    # the reservation ends once a decode heartbeat sent after the hand-off is in the table
+    await eventually(lambda: s.router.decode.held() == 0, what="reservation settled")
     labels = {"kind": "prefill_router", "instance": "pr"}
-    metric = router.metrics.registry.get_sample_value
+    metric = s.router.metrics.registry.get_sample_value
     assert metric("epd_prefill_router_dispatched_total", labels) == 1
     assert sum(metric("epd_prefill_bucket_engines", {**labels, "bucket": str(b)}) for b in range(4)) == 1
 
 
-async def test_the_lookup_asks_at_most_max_lookup_blocks(running):
-    router, gateway, [worker], kv, *_ = await stack(running, max_lookup_blocks=3)
-    kv.stored = {h(i) for i in range(10)}
-    gateway.generate("r1", 2000)
-    await eventually(lambda: worker.works, what="work arrived")
-    assert kv.asked == [[h(0), h(1), h(2)]] and worker.works[0][1].hit_tokens == 256   # no SWA: 384 - 128
+async def test_the_hit_is_the_stored_prefix_capped_at_L_minus_134(running, kv_store):
+    store_blocks(kv_store, *range(7))                          # 896 tokens stored
+    s = await stack(running, kv_store)
+    s.gateway.generate("whole", 1000)                          # cap 768 < 896
+    s.gateway.generate("small", 300, blocks=2)                 # cap (300 - 134) -> 128
+    s.gateway.generate("tiny", 200, blocks=1)                  # cap 0: nothing to load
+    s.gateway.generate("exact", 1158)                          # cap 1024: the whole 896 stored
+    await eventually(lambda: len(s.worker.works) == 4, what="work arrived")
+    assert {rid: w.kv_hit_tokens for rid, w in s.worker.works} == {"whole": 768, "small": 128, "tiny": 0,
+                                                                   "exact": 896}
 
 
-async def test_without_the_swa_window_the_hit_backs_off_one_block(running):
-    router, gateway, [worker], kv, swa, _ = await stack(running)
-    kv.stored = {h(i) for i in range(5)}
-    gateway.generate("r1", 1000)
-    gateway.generate("r2", 300, blocks=2)                      # tiny: cap 128, window missing -> 0
-    await eventually(lambda: len(worker.works) == 2, what="work arrived")
-    hits = {rid: (w.hit_tokens, w.swa_holder) for rid, w in worker.works}
-    assert hits == {"r1": (512, ""), "r2": (0, "")}
+async def test_the_hit_stops_at_the_first_block_the_store_lacks(running, kv_store):
+    store_blocks(kv_store, 0, 1, 3, 4)
+    s = await stack(running, kv_store)
+    s.gateway.generate("gap", 1000)
+    await eventually(lambda: s.worker.works, what="work arrived")
+    assert s.worker.works[0][1].kv_hit_tokens == 256
 
 
-async def test_backing_off_one_block_names_the_holder_of_the_window_there(running):
-    router, gateway, [worker], kv, swa, _ = await stack(running)
-    kv.stored = {h(i) for i in range(5)}                       # L1 = 640, its window missing
-    client = await running.start(Service, "client")
-    await client.call(swa.config.advertise, SwaRegister([h(3)], "tcp://holder:3"))   # window at 512
-    gateway.generate("r1", 1000)
-    await eventually(lambda: worker.works, what="work arrived")
-    assert (worker.works[0][1].hit_tokens, worker.works[0][1].swa_holder) == (512, "tcp://holder:3")
+async def test_the_lookup_reads_at_most_max_lookup_blocks(running, kv_store):
+    store_blocks(kv_store, *range(10))
+    s = await stack(running, kv_store, max_lookup_blocks=3)
+    s.gateway.generate("r1", 2000)                             # cap 1792, 10 blocks stored
+    await eventually(lambda: s.worker.works, what="work arrived")
+    assert s.worker.works[0][1].kv_hit_tokens == 384
 
 
-async def test_no_headroom_keeps_requests_queued_until_a_rank_finishes(running):
-    router, gateway, [worker], *_ = await stack(running, auto=False, rank_token_budget=1500)
+async def test_without_a_store_or_a_decode_stage_work_goes_out_plain(running):
+    s = await stack(running, None, decoders=(), decode_router="")
+    s.gateway.generate("r1", 1000)
+    await eventually(lambda: s.worker.works, what="work arrived")
+    work = s.worker.works[0][1]
+    assert (work.kv_hit_tokens, work.decode_address) == (0, "")
+    assert s.router.decode.held() == 0
+
+
+async def test_held_reservations_spread_a_burst_over_the_decode_workers(running, kv_store):
+    s = await stack(running, kv_store, auto=False, decoders=(Load(), Load()))
     for i in range(4):
-        gateway.generate(f"r{i}", 1000)
-        await eventually(lambda: router.core.queued() + router.core.outstanding() == i + 1, what="routed")
-    await eventually(lambda: len(worker.works) == 2, what="two dispatched")
-    assert router.core.queued() == 2                           # 2000 tokens held >= budget 1500
-    worker.release("r0")
-    await eventually(lambda: len(worker.works) == 3, what="third dispatched")
-    worker.release("r1")
-    await eventually(lambda: len(worker.works) == 4, what="fourth dispatched")
-    assert [rid for rid, _ in worker.works] == ["r0", "r1", "r2", "r3"]
+        s.gateway.generate(f"r{i}", 1000)
+    await eventually(lambda: len(s.worker.works) == 4, what="work arrived")
+    a, b = (d.config.advertise for d in s.decoders)
+    assert [w.decode_address for _, w in s.worker.works] == [a, b, a, b]
+    assert s.router.decode.pending() == {"dw0": 2, "dw1": 2}
 
 
-async def test_a_dead_prefill_rank_fails_its_requests_with_peer_dead(running):
-    router, gateway, [worker], *_ = await stack(running, auto=False)
-    gateway.generate("r1", 1000)
-    await eventually(lambda: worker.held, what="work held")
-    await running.stop(worker)
-    await eventually(lambda: "r1" in gateway.received, what="error at the gateway")
-    assert error_of(gateway, "r1").code == ErrorCode.PEER_DEAD
-    assert router.core.outstanding() == 0
+async def test_requests_wait_while_no_decode_worker_has_room(running, kv_store):
+    s = await stack(running, kv_store, auto=False, decoders=(Load(batch_size=2, capacity=2),))
+    [decoder] = s.decoders
+    s.gateway.generate("r1", 1000)
+    s.gateway.generate("r2", 1000)
+    await eventually(lambda: s.router.core.queued() == 2, what="both queued")
+    await s.tables_seen()
+    assert s.router.core.queued() == 2 and s.worker.works == [] and s.gateway.received == {}
+    decoder.fixed_load = Load(batch_size=1, capacity=2)        # room for one
+    await eventually(lambda: s.worker.works, what="first out")
+    assert s.worker.rids() == ["r1"] and s.worker.works[0][1].decode_address == decoder.config.advertise
+    await s.tables_seen()
+    assert s.router.core.queued() == 1                         # r1's reservation fills the worker
+    s.worker.release("r1")                                     # handed off; the decoder's next heartbeat
+    await eventually(lambda: len(s.worker.works) == 2, what="second out")   # ... frees the slot
+    assert s.worker.rids() == ["r1", "r2"] and s.gateway.received == {}
 
 
-async def test_a_rank_error_reaches_the_gateway(running):
-    router, gateway, [worker], *_ = await stack(running, auto=False)
-    gateway.generate("r1", 1000)
-    await eventually(lambda: worker.held, what="work held")
-    worker.release("r1", ErrorReply(int(ErrorCode.INVALID_REQUEST), "bad prompt"))
-    await eventually(lambda: "r1" in gateway.received, what="error at the gateway")
-    reply = error_of(gateway, "r1")
+async def test_requests_wait_for_a_decode_worker_to_register(running, kv_store):
+    s = await stack(running, kv_store, decoders=())
+    s.gateway.generate("r1", 1000)
+    await eventually(lambda: s.router.core.queued() == 1, what="queued")
+    await s.tables_seen()
+    assert s.router.core.queued() == 1 and s.worker.works == [] and s.gateway.received == {}
+    late = await running.start(TestHelperDecodeWorker, "late", upstream=s.decode_router.config.advertise)
+    await eventually(lambda: s.worker.works, what="work arrived")
+    assert s.worker.works[0][1].decode_address == late.config.advertise
+
+
+async def test_no_rank_headroom_keeps_requests_queued_until_a_rank_finishes(running, kv_store):
+    s = await stack(running, kv_store, auto=False, rank_token_budget=1500)
+    for i in range(4):
+        s.gateway.generate(f"r{i}", 1000)
+        await eventually(lambda: s.router.core.queued() + s.router.core.outstanding() == i + 1, what="routed")
+    await eventually(lambda: len(s.worker.works) == 2, what="two dispatched")
+    assert s.router.core.queued() == 2                         # 2000 tokens held >= budget 1500
+    s.worker.release("r0")
+    await eventually(lambda: len(s.worker.works) == 3, what="third dispatched")
+    s.worker.release("r1")
+    await eventually(lambda: len(s.worker.works) == 4, what="fourth dispatched")
+    assert s.worker.rids() == ["r0", "r1", "r2", "r3"] and s.gateway.received == {}
+
+
+async def test_the_queue_deadline_fails_waiting_requests_with_overloaded(running, kv_store):
+    s = await stack(running, kv_store, decoders=(), max_queue_wait_s=0.3)
+    s.gateway.generate("r1", 1000)
+    await eventually(lambda: "r1" in s.gateway.received, what="error at the gateway")
+    assert s.error_of("r1").code == ErrorCode.OVERLOADED
+    assert s.worker.works == [] and s.router.core.queued() == 0 and s.router.core.stats.expired == 1
+
+
+async def test_a_stale_decode_table_holds_requests_back(running, kv_store):
+    s = await stack(running, kv_store, decode_table_stale_s=0.3, max_queue_wait_s=1.0)
+    await running.stop(s.decode_router)
+    await eventually(lambda: not s.router.decode.fresh(), what="table stale")
+    s.gateway.generate("r1", 1000)                             # the decode worker may be gone: wait
+    await eventually(lambda: "r1" in s.gateway.received, what="error at the gateway")
+    assert s.error_of("r1").code == ErrorCode.OVERLOADED and s.worker.works == []
+
+
+async def test_a_full_bucket_queue_is_overloaded(running, kv_store):
+    s = await stack(running, kv_store, decoders=(), queue_limit=1)
+    s.gateway.generate("r0", 1000)
+    s.gateway.generate("r1", 1000)
+    await eventually(lambda: "r1" in s.gateway.received, what="refusal at the gateway")
+    assert s.error_of("r1").code == ErrorCode.OVERLOADED
+    assert "r0" not in s.gateway.received and s.router.core.queued() == 1 and s.router.core.stats.refused == 1
+
+
+async def test_aborts_remove_a_queued_request_and_reach_the_rank_of_an_outstanding_one(running, kv_store):
+    s = await stack(running, kv_store, auto=False, rank_token_budget=1)
+    s.gateway.generate("r0", 1000)
+    s.gateway.generate("r1", 1000)
+    await eventually(lambda: s.worker.held and s.router.core.queued() == 1, what="one held, one queued")
+    assert s.router.decode.held() == 1                         # only the dispatched one holds a decode slot
+    s.gateway.abort("r1")                                      # waiting: just removed
+    await eventually(lambda: s.router.core.queued() == 0, what="queued request removed")
+    s.gateway.abort("r0")                                      # at the rank: forwarded there only
+    await eventually(lambda: s.worker.aborted == ["r0"], what="abort at the rank")
+    assert s.router.core.outstanding() == 0 and s.router.decode.held() == 0
+    assert s.worker.rids() == ["r0"] and s.decoders[0].aborted == [] and s.gateway.received == {}
+
+
+async def test_an_abort_after_prefill_is_not_forwarded(running, kv_store):
+    s = await stack(running, kv_store)
+    s.gateway.generate("r1", 1000)
+    await eventually(lambda: s.router.core.stats.finished == 1, what="prefilled")
+    s.gateway.abort("r1")                                      # the gateway aborts at decode itself
+    s.gateway.generate("r2", 1000)                             # sent after the abort on the same link
+    await eventually(lambda: len(s.worker.works) == 2, what="next request served")
+    assert s.worker.aborted == [] and s.decoders[0].aborted == []
+
+
+async def test_a_dead_prefill_rank_fails_its_requests_with_peer_dead(running, kv_store):
+    s = await stack(running, kv_store, auto=False)
+    s.gateway.generate("r1", 1000)
+    await eventually(lambda: s.worker.held, what="work held")
+    await running.stop(s.worker)
+    await eventually(lambda: "r1" in s.gateway.received, what="error at the gateway")
+    assert s.error_of("r1").code == ErrorCode.PEER_DEAD
+    assert s.router.core.outstanding() == 0 and s.router.decode.held() == 0
+
+
+async def test_a_rank_error_reaches_the_gateway_and_frees_the_decode_slot(running, kv_store):
+    s = await stack(running, kv_store, auto=False)
+    s.gateway.generate("r1", 1000)
+    await eventually(lambda: s.worker.held, what="work held")
+    assert s.router.decode.held() == 1
+    s.worker.release("r1", ErrorReply(int(ErrorCode.INVALID_REQUEST), "bad prompt"))
+    await eventually(lambda: "r1" in s.gateway.received, what="error at the gateway")
+    reply = s.error_of("r1")
     assert reply.code == ErrorCode.INVALID_REQUEST and reply.message == "bad prompt"
+    assert s.router.decode.held() == 0
 
 
-async def test_no_decode_worker_fails_the_request_with_overloaded(running):
-    router, gateway, [worker], *_ = await stack(running, decode=False)
-    gateway.generate("r1", 1000)
-    await eventually(lambda: "r1" in gateway.received, what="error at the gateway")
-    assert error_of(gateway, "r1").code == ErrorCode.OVERLOADED
-    assert worker.works == [] and router.core.outstanding() == 0
+async def test_a_dead_gateways_requests_are_dropped_and_aborted(running, kv_store):
+    s = await stack(running, kv_store, auto=False, rank_token_budget=1)
+    s.gateway.generate("r0", 1000)
+    s.gateway.generate("r1", 1000)
+    await eventually(lambda: s.worker.held and s.router.core.queued() == 1, what="one held, one queued")
+    await running.stop(s.gateway)
+    await eventually(lambda: s.worker.aborted == ["r0"], what="running request aborted")
+    assert s.router.core.queued() == 0 and s.router.core.outstanding() == 0 and s.router.decode.held() == 0
 
 
-async def test_a_full_bucket_queue_is_overloaded(running):
-    router, gateway, [worker], *_ = await stack(running, auto=False, rank_token_budget=1, queue_limit=1)
-    for i in range(3):
-        gateway.generate(f"r{i}", 1000)
-    await eventually(lambda: "r2" in gateway.received, what="refusal at the gateway")
-    assert error_of(gateway, "r2").code == ErrorCode.OVERLOADED
-    assert [rid for rid, _ in worker.works] == ["r0"] and router.core.queued() == 1
+async def test_invalid_requests_are_refused_and_the_router_keeps_serving(running, kv_store):
+    s = await stack(running, kv_store)
+    bad = GenerateRequest("m", [], SamplingParams(), return_address=s.gateway.config.advertise)
+    s.gateway.send(s.router.config.advertise, bad, request_id="bad")
+    await eventually(lambda: "bad" in s.gateway.received, what="refusal")
+    assert s.error_of("bad").code == ErrorCode.INVALID_REQUEST
+    s.gateway.generate("ok", 200)
+    await eventually(lambda: s.worker.works, what="served")
 
 
-async def test_aborts_reach_the_queue_the_rank_and_the_decode_worker(running):
-    router, gateway, [worker], _, _, [decoder] = await stack(running, auto=False, rank_token_budget=1)
-    gateway.generate("r0", 1000)
-    gateway.generate("r1", 1000)
-    await eventually(lambda: worker.held and router.core.queued() == 1, what="one held, one queued")
-    gateway.abort("r1")                                        # waiting: just removed
-    await eventually(lambda: router.core.queued() == 0, what="queued request removed")
-    gateway.abort("r0")                                        # at the rank: forwarded to rank and decode
-    await eventually(lambda: worker.aborted == ["r0"] and decoder.aborted == ["r0"], what="abort forwarded")
-    assert router.core.outstanding() == 0 and worker.works[0][0] == "r0" and len(worker.works) == 1
-
-
-async def test_an_abort_after_prefill_reaches_the_decode_worker(running):
-    router, gateway, [worker], _, _, [decoder] = await stack(running)
-    gateway.generate("r1", 1000)
-    await eventually(lambda: router.core.stats.finished == 1, what="prefilled")
-    gateway.abort("r1")
-    await eventually(lambda: decoder.aborted == ["r1"], what="abort at decode")
-    assert worker.aborted == []
-
-
-async def test_invalid_requests_are_refused_and_the_router_keeps_serving(running):
-    router, gateway, [worker], *_ = await stack(running)
-    bad = GenerateRequest("m", [], SamplingParams(), return_address=gateway.config.advertise)
-    gateway.send(router.config.advertise, bad, request_id="bad")
-    await eventually(lambda: "bad" in gateway.received, what="refusal")
-    assert error_of(gateway, "bad").code == ErrorCode.INVALID_REQUEST
-    gateway.generate("ok", 200)
-    await eventually(lambda: worker.works, what="served")
-
-
-def test_the_catalog_knows_the_kind_and_bad_settings_are_refused(tmp_path):
+def test_the_catalog_knows_the_kind():
     assert resolve("prefill_router") is PrefillRouterService
-    for settings in ({"gamma": 1}, {"bucket_bounds": [10, 5]}, {"alpha": -1.0}, {"round_s": 0},
-                     {"lookup_timeout_s": 0}, {"worker_kind": ""}):
-        with pytest.raises(ValueError):
-            PrefillRouterService(ServiceConfig(kind="prefill_router", instance="r",
-                                               bind=f"ipc://{tmp_path}/r.sock", settings=settings))
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"gamma": 1}, "gamma"),
+    ({"kv_writer": "tcp://kv:1"}, "kv_writer"),                # retired: the hit is read in-process
+    ({"swa_registry": "tcp://swa:1"}, "swa_registry"),         # retired: the worker settles the window
+    ({"route_memory": 100}, "route_memory"),                   # retired: aborts after prefill go to decode
+    ({"lookup_timeout_s": 1.0}, "lookup_timeout_s"),
+    ({"bucket_bounds": [10, 5]}, "bucket bounds"),
+    ({"alpha": -1.0}, "alpha"),
+    ({"round_s": 0}, "round_s"),
+    ({"worker_kind": ""}, "worker_kind"),
+    ({"max_lookup_blocks": 0}, "max_lookup_blocks"),
+    ({"decode_table_stale_s": 0}, "decode_table_stale_s"),
+    ({"pump_interval_s": "fast"}, "pump_interval_s"),
+])
+def test_bad_settings_are_refused_naming_the_service_and_the_key(tmp_path, settings, named):
+    with pytest.raises(ValueError) as err:
+        PrefillRouterService(ServiceConfig(kind="prefill_router", instance="r",
+                                           bind=f"ipc://{tmp_path}/r.sock", settings=settings))
+    assert "prefill_router" in str(err.value) and named in str(err.value)
