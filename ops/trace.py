@@ -3,23 +3,24 @@
 Reads JSON log lines (a run directory, log files, or `docker compose logs` on stdin), keeps the
 lines of one request (its request_id, or its trace_id), and prints a timeline plus the tree of
 spans: each `request.summary` line is one span, placed under the span that sent the request
-(by parent_span_id, else by the sending instance). `--chrome FILE` writes the same as
-Chrome trace-event JSON for ui.perfetto.dev. Everything but `run` is a pure function of lines.
+(by parent_span_id, else by the sending instance); a streamed answer's summary (chunk count, token
+times, chunk gaps) adds first- and last-token rows. `--chrome FILE` writes the same as Chrome
+trace-event JSON for ui.perfetto.dev (trace_chrome.py); the command is trace_command.py. Pure
+functions of lines.
 """
 from __future__ import annotations
 
 import json
 import re
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 SUMMARY = "request.summary"
 STANDARD_KEYS = frozenset({"ts", "level", "event", "service", "instance", "request_id", "trace_id",
                            "span_id", "parent_span_id"})
 SUMMARY_KEYS = frozenset({"start", "handle_ms", "queue_ms", "wire_ms", "type", "sender", "outcome",
                           "phases"})
+STREAM_KEYS = ("chunks", "first_token_ms", "last_token_ms", "gap_p50_ms", "gap_max_ms")   # ms from start
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _DECODER = json.JSONDecoder()
 DETAIL_WIDTH = 120
@@ -45,6 +46,7 @@ class Span:
     wire_ms: float
     outcome: str
     phases: dict[str, float] = field(default_factory=dict)
+    stream: dict[str, float] = field(default_factory=dict)   # STREAM_KEYS present in the line
 
     @property
     def arrived(self) -> float:
@@ -53,6 +55,16 @@ class Span:
     @property
     def end(self) -> float:
         return self.start + self.handle_ms / 1e3
+
+    def token_marks(self) -> list[tuple[float, str, str]]:
+        """(epoch time, event, details) of a streamed answer's first and last token."""
+        st = self.stream
+        if "first_token_ms" not in st:
+            return []
+        last = (f"{int(st.get('chunks', 0))} chunks, gap p50={_ms(st.get('gap_p50_ms', 0.0))}ms "
+                f"max={_ms(st.get('gap_max_ms', 0.0))}ms")
+        return [(self.start + st["first_token_ms"] / 1e3, "stream.first_token", "first token"),
+                (self.start + st.get("last_token_ms", st["first_token_ms"]) / 1e3, "stream.last_token", last)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +130,7 @@ def span_of(record: dict) -> Span | None:
     if record.get("event") != SUMMARY:
         return None
     phases = {k: float(v) for k, v in record.items()
-              if k.endswith("_ms") and k not in SUMMARY_KEYS and _is_number(v)}
+              if k.endswith("_ms") and k not in SUMMARY_KEYS and k not in STREAM_KEYS and _is_number(v)}
     if isinstance(record.get("phases"), dict):
         phases.update({str(k): float(v) for k, v in record["phases"].items() if _is_number(v)})
     handle_ms = _num(record.get("handle_ms"))
@@ -128,7 +140,8 @@ def span_of(record: dict) -> Span | None:
         span_id=str(record.get("span_id", "")), parent_span_id=str(record.get("parent_span_id", "")),
         start=_num(record.get("start"), record["ts"] - handle_ms / 1e3), handle_ms=handle_ms,
         queue_ms=_num(record.get("queue_ms")), wire_ms=_num(record.get("wire_ms")),
-        outcome=str(record.get("outcome", "")), phases=phases)
+        outcome=str(record.get("outcome", "")), phases=phases,
+        stream={k: float(record[k]) for k in STREAM_KEYS if _is_number(record.get(k))})
 
 
 def read_trace(lines: Iterable[str], key: str) -> Trace:
@@ -208,6 +221,7 @@ def details(record: dict) -> str:
         parts = [span.type, f"from={span.sender or '-'}", f"handle={_ms(span.handle_ms)}ms",
                  f"queue={_ms(span.queue_ms)}ms", f"wire={_ms(span.wire_ms)}ms"]
         parts += [f"{name}={_ms(ms)}ms" for name, ms in span.phases.items()]
+        parts += [_stream_text(span)] if span.stream else []
         parts.append(f"outcome={span.outcome}")
     else:
         parts = [f"{k}={_value(v)}" for k, v in record.items() if k not in STANDARD_KEYS]
@@ -216,10 +230,18 @@ def details(record: dict) -> str:
     return text if len(text) <= DETAIL_WIDTH else text[:DETAIL_WIDTH - 3] + "..."
 
 
+def _stream_text(span: Span) -> str:   # chunks=64 first_token=12.000ms ... gap_max=3.000ms
+    return " ".join(f"{k.removesuffix('_ms')}={int(v) if k == 'chunks' else _ms(v) + 'ms'}"
+                    for k, v in span.stream.items())
+
+
 def timeline_rows(trace: Trace) -> list[tuple[str, str, str, str]]:
+    """The request's lines and each streamed answer's first- and last-token rows, in time order."""
     t0 = trace.t0
-    return [(_ms((r["ts"] - t0) * 1e3), str(r.get("instance", "?")), str(r.get("event", "")), details(r))
-            for r in trace.records]
+    rows = [(r["ts"], str(r.get("instance", "?")), str(r.get("event", "")), details(r)) for r in trace.records]
+    rows += [(at, s.instance, event, text) for s in trace.spans for at, event, text in s.token_marks()]
+    return [(_ms((at - t0) * 1e3), instance, event, text)
+            for at, instance, event, text in sorted(rows, key=lambda row: row[0])]
 
 
 def render(trace: Trace) -> str:
@@ -245,131 +267,8 @@ def render(trace: Trace) -> str:
         link = (f"  <- {hop.parent.instance} by {hop.linked_by}" if hop.parent else
                 f"  <- {s.sender or '?'} (parent span {s.parent_span_id} not in these logs)" if s.parent_span_id else "")
         phases = "".join(f" {k}={_ms(v)}" for k, v in s.phases.items())
+        phases += f" {_stream_text(s)}" if s.stream else ""
         out.append(f"  {'  ' * hop.depth}+{_ms((s.start - t0) * 1e3)} ms  {label}  {s.type}  "
                    f"queue {_ms(s.queue_ms)} ms  handle {_ms(s.handle_ms)} ms{phases}  {s.outcome}  "
                    f"span {s.span_id or '-'}{link}")
     return "\n".join(out)
-
-
-# ---- Chrome / Perfetto trace events ----------------------------------------------------------
-def chrome_trace(trace: Trace) -> dict:
-    """Trace-event JSON: a process per instance, an "X" slice per span (and one for its queue
-    wait), an "i" instant per other line, and a flow arrow from each parent span to its child."""
-    t0 = trace.t0
-    us = lambda t: round((t - t0) * 1e6, 3)  # noqa: E731
-    pids: dict[str, int] = {}
-    events: list[dict] = []
-    for record in trace.records:
-        instance = str(record.get("instance", "?"))
-        if instance not in pids:
-            pids[instance] = len(pids) + 1
-            service = record.get("service", "")
-            events.append({"ph": "M", "name": "process_name", "pid": pids[instance], "tid": 0,
-                           "args": {"name": f"{instance} ({service})" if service else instance}})
-    tids: dict[int, int] = {}          # id(span) -> its own track, so overlapping spans never clash
-    per_instance: dict[str, int] = {}
-    for span in trace.spans:
-        tid = per_instance[span.instance] = per_instance.get(span.instance, 0) + 1
-        tids[id(span)] = tid
-        pid = pids[span.instance]
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                       "args": {"name": f"{span.type} span {span.span_id}"}})
-        if span.queue_ms > 0:
-            events.append({"ph": "X", "name": "queued", "cat": "queue", "pid": pid, "tid": tid,
-                           "ts": us(span.arrived), "dur": round(span.queue_ms * 1e3, 3)})
-        events.append({"ph": "X", "name": span.type or SUMMARY, "cat": span.service or "span", "pid": pid,
-                       "tid": tid, "ts": us(span.start), "dur": round(span.handle_ms * 1e3, 3),
-                       "args": {"span_id": span.span_id, "parent_span_id": span.parent_span_id,
-                                "sender": span.sender, "outcome": span.outcome, "wire_ms": span.wire_ms,
-                                "queue_ms": span.queue_ms, **{f"phase.{k}": v for k, v in span.phases.items()}}})
-    by_span_id = {s.span_id: tids[id(s)] for s in trace.spans if s.span_id}
-    for record in trace.records:
-        if record.get("event") == SUMMARY:
-            continue
-        events.append({"ph": "i", "s": "t", "name": str(record.get("event", "")), "cat": "log",
-                       "pid": pids[str(record.get("instance", "?"))],
-                       "tid": by_span_id.get(record.get("span_id"), 0), "ts": us(record["ts"]),
-                       "args": {k: v for k, v in record.items() if k not in ("ts", "event")}})
-    for flow_id, hop in enumerate((h for h in span_tree(trace.spans) if h.parent), start=1):
-        parent, child = hop.parent, hop.span
-        sent = min(max(child.arrived - child.wire_ms / 1e3, parent.start), parent.end)
-        common = {"name": "hop", "cat": "flow", "id": flow_id}
-        events.append({**common, "ph": "s", "pid": pids[parent.instance], "tid": tids[id(parent)], "ts": us(sent)})
-        events.append({**common, "ph": "f", "bp": "e", "pid": pids[child.instance], "tid": tids[id(child)],
-                       "ts": us(child.start)})
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"request": trace.key, "t0_epoch_s": t0}}
-
-
-# ---- sources and the command -----------------------------------------------------------------
-def resolve_sources(sources: list[str], run_dir: str | None) -> list[str | Path]:
-    """Paths of the log files to read ("-" is stdin); a directory means its logs/*.log or *.log."""
-    names = list(sources) + ([run_dir] if run_dir else [])
-    if not names:
-        from ops.stack_commands import current_run_dir
-        current = current_run_dir()
-        if not current.exists():
-            raise TraceSourceError(f"no sources given and no current run at {current} "
-                                   "(name log files, a run directory, or - for stdin)")
-        names = [str(current)]
-    paths: list[str | Path] = []
-    for name in names:
-        if name == "-":
-            paths.append("-")
-            continue
-        path = Path(name)
-        if path.is_dir():
-            logs = path / "logs" if (path / "logs").is_dir() else path
-            found = sorted(logs.glob("*.log"))
-            if not found:
-                raise TraceSourceError(f"no *.log files in {logs}")
-            paths.extend(found)
-        elif path.is_file():
-            paths.append(path)
-        else:
-            raise TraceSourceError(f"{name}: no such file or directory")
-    return paths
-
-
-def iter_lines(paths: list[str | Path], stdin=None) -> Iterator[str]:
-    for path in paths:
-        if path == "-":
-            yield from stdin or sys.stdin
-            continue
-        try:
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                yield from handle
-        except OSError as exc:
-            raise TraceSourceError(f"{path}: {exc.strerror or exc}") from None
-
-
-def run(args) -> int:
-    try:
-        trace = read_trace(iter_lines(resolve_sources(args.sources, args.run_dir)), args.request_id)
-    except TraceSourceError as exc:
-        print(f"epd trace: {exc}", file=sys.stderr)
-        return 2
-    if not trace.records:
-        print(f"no log line matches request {args.request_id!r} (read {trace.lines_read} lines, "
-              f"{trace.lines_skipped} of them not JSON log records)")
-        return 1
-    print(render(trace))
-    if args.chrome:
-        try:
-            Path(args.chrome).write_text(json.dumps(chrome_trace(trace), default=str))
-        except OSError as exc:
-            print(f"epd trace: cannot write {args.chrome}: {exc.strerror or exc}", file=sys.stderr)
-            return 2
-        print(f"\nwrote {args.chrome}: open it at https://ui.perfetto.dev")
-    return 0
-
-
-def register(subparsers) -> None:
-    parser = subparsers.add_parser("trace", help="show one request's path across services, from the logs")
-    parser.add_argument("request_id", metavar="REQUEST_ID", help="a request id (or trace id)")
-    parser.add_argument("sources", nargs="*", metavar="SOURCE",
-                        help="log files, run directories, or - for stdin (docker compose logs); "
-                             "default: the current run (.epd/runs/current, or $EPD_RUN_ROOT/current)")
-    parser.add_argument("--run-dir", help="a run directory whose logs/*.log to read")
-    parser.add_argument("--chrome", metavar="FILE", help="also write Chrome/Perfetto trace-event JSON here")
-    parser.set_defaults(func=run)

@@ -3,7 +3,8 @@
 
 A request: authenticate -> admit (bounded) -> prepare in a thread (convert, render, encode) ->
 GenerateRequest to the upstream -> chunks through the adapter's stream/accumulator -> the client.
-A client that disconnects cancels its handler, which sends AbortRequest to the upstream.
+A client that disconnects cancels its handler, which aborts the request (at its streaming worker
+once known). Each request writes one `request.summary` line, its chunk timings included.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import hmac
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -20,15 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from messages import ErrorReply, WireError
 from messages.common import FinishReason
 from messages.control import ServiceState
-from messages.generate import AbortRequest, GenerateChunk
+from messages.generate import GenerateChunk
 from services.gateway.adapter import GatewayError, Protocol
 from services.runtime.tracing import span_from
 
-if TYPE_CHECKING:
-    from services.gateway.service import GatewayService
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_UPSTREAM_STATUS = {"INVALID_REQUEST": 400, "OVERLOADED": 429, "DRAINING": 503, "PEER_DEAD": 502, "TIMEOUT": 504}
+_UPSTREAM_STATUS = {"INVALID_REQUEST": 400, "DRAINING": 503, "PEER_DEAD": 502, "TIMEOUT": 504}
 
 
 def too_busy(protocol: Protocol, why: str) -> GatewayError:
@@ -43,9 +41,11 @@ def _error_response(protocol: Protocol, error: GatewayError) -> web.Response:
                         content_type="application/json")
 
 
-def _from_upstream(reply: ErrorReply) -> GatewayError:
+def _from_upstream(reply: ErrorReply, protocol: Protocol) -> GatewayError:
     from messages.errors import ErrorCode
     name = ErrorCode(reply.code).name if reply.code in ErrorCode._value2member_map_ else "INTERNAL"
+    if name == "OVERLOADED":   # a router's queue is full or its deadline passed: retry later
+        return too_busy(protocol, f"upstream: {reply.message}")
     status = _UPSTREAM_STATUS.get(name, 500)
     kind = {400: "invalid_request_error", 429: "overloaded_error", 503: "overloaded_error"}.get(status, "api_error")
     return GatewayError(status, kind, f"upstream: {reply.message}", code=name.lower())
@@ -60,7 +60,7 @@ def _logprobs(chunk: GenerateChunk):
 
 
 class GatewayHttp:
-    def __init__(self, service: "GatewayService"):
+    def __init__(self, service):
         self.svc = service
         self.active = 0
 
@@ -107,15 +107,14 @@ class GatewayHttp:
             log.info("request.rejected", status=exc.status_for(protocol), error=exc.message)
             return _error_response(protocol, exc)
         prepared_at = time.time()
-        queue: asyncio.Queue = asyncio.Queue()
-        svc.pending[request_id] = queue
+        tracked = svc.open_request(request_id, span)
         response = prepared.open_response()
         outcome, http = "ok", None
         try:
             svc.send(svc.config.upstream, prepared.generate_request(
                 return_address=svc.config.advertise, arrival_time=started, block_hashes=hashes),
                 request_id=request_id, span=span)
-            first = await self._next(queue, svc.settings.first_chunk_timeout_s)
+            first = await self._next(tracked.queue, svc.settings.first_chunk_timeout_s, protocol)
             if isinstance(first, GatewayError):
                 outcome = first.code or "error"
                 return _error_response(protocol, first)
@@ -126,16 +125,18 @@ class GatewayHttp:
             item = first
             while True:
                 if isinstance(item, GatewayError):   # failed mid-way: end in the protocol's shape
-                    item = GenerateChunk([], int(FinishReason.ERROR))
-                frames = response.push(item.token_ids, item.finish_reason or None, item.usage, _logprobs(item))
+                    outcome = item.code or "error"
+                    frames = response.fail(item)
+                else:
+                    frames = response.push(item.token_ids, item.finish_reason or None, item.usage, _logprobs(item))
                 if http is not None:
                     for frame in frames:
                         await http.write(frame)
                 if response.finished:
-                    if not item.finish_reason:   # EOS / stop sequence seen here: stop the worker
-                        self._abort(request_id, span, "stopped_by_gateway")
+                    if isinstance(item, GenerateChunk) and not item.finish_reason:   # EOS / stop sequence
+                        svc.abort(request_id, "stopped_by_gateway")                   # seen here: stop the worker
                     break
-                item = await self._next(queue, svc.settings.chunk_timeout_s)
+                item = await self._next(tracked.queue, svc.settings.chunk_timeout_s, protocol)
             if http is not None:
                 await http.write_eof()
                 return http
@@ -151,7 +152,7 @@ class GatewayHttp:
             return _error_response(protocol, too_busy(protocol, f"upstream unavailable: {exc.message}"))
         except (asyncio.CancelledError, ConnectionResetError):
             outcome = "client_disconnected"
-            self._abort(request_id, span, "client_disconnected")
+            svc.abort(request_id, "client_disconnected")
             raise
         finally:
             svc.pending.pop(request_id, None)
@@ -159,26 +160,23 @@ class GatewayHttp:
             log.info("request.summary", type=protocol.value, sender="http", start=started,
                      handle_ms=round((time.time() - started) * 1e3, 3),
                      phases={"prepare_ms": round((prepared_at - started) * 1e3, 3)},
+                     **tracked.stats.fields(started), worker=tracked.worker or None,
                      prompt_tokens=usage.prompt, cached_tokens=usage.cached,
                      completion_tokens=usage.completion, stream=prepared.stream, outcome=outcome)
 
-    async def _next(self, queue: asyncio.Queue, timeout_s: float):
-        """The next chunk, or a GatewayError for an upstream error / silence."""
+    async def _next(self, queue: asyncio.Queue, timeout_s: float, protocol: Protocol):
+        """The next chunk, or a GatewayError for an upstream error, silence or a dead worker."""
         try:
             item = await asyncio.wait_for(queue.get(), timeout_s)
         except asyncio.TimeoutError:
             return GatewayError(504, "api_error", f"no tokens from the worker for {timeout_s:.0f}s", code="timeout")
+        if isinstance(item, GatewayError):
+            return item
         if isinstance(item, ErrorReply):
-            return _from_upstream(item)
+            return _from_upstream(item, protocol)
         if item.finish_reason == FinishReason.ERROR and item.error and not item.token_ids:
             return GatewayError(502, "api_error", item.error, code="upstream_error")
         return item
-
-    def _abort(self, request_id: str, span, reason: str) -> None:
-        try:
-            self.svc.send(self.svc.config.upstream, AbortRequest(reason), request_id=request_id, span=span)
-        except WireError as exc:
-            self.svc.log.warning("abort.undeliverable", request_id=request_id, code=exc.code.name)
 
     # ---- routes ------------------------------------------------------------------------
     async def chat(self, request):
@@ -214,7 +212,7 @@ class GatewayHttp:
         return web.Response(body=self.svc.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def start_http(service: "GatewayService") -> web.AppRunner:
+async def start_http(service) -> web.AppRunner:
     api = GatewayHttp(service)
     app = web.Application(client_max_size=service.settings.max_body_bytes)
     app.router.add_post("/v1/chat/completions", api.chat)

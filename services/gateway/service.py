@@ -1,10 +1,12 @@
 """The gateway service: the HTTP front (aiohttp, http_app.py) plus its ZeroMQ side.
 
-It sends each GenerateRequest to its upstream (the unified worker now; the prefill router in the
-E/P/D topology) and receives the request's GenerateChunk messages on its own inbox, addressed to
-it by `return_address`. It registers with the upstream and heartbeats, so each side learns when
-the other dies: the worker frees a dead gateway's requests; the gateway fails its open requests
-with a typed error when the upstream goes silent.
+It sends each GenerateRequest to its upstream (the prefill router in the E/P/D topology; the
+unified worker) and receives the request's GenerateChunk messages on its own inbox, addressed to
+it by `return_address`. The first chunk names the worker that streams the request: aborts go
+straight there, and the gateway watches that worker (worker_watch.py). A chunk for a request it no
+longer holds gets AbortRequest("abandoned") back at once, so no worker generates for nobody. It
+registers with the upstream and heartbeats: the worker frees a dead gateway's requests; the
+gateway fails the requests still on their way to a worker when the upstream goes silent.
 """
 from __future__ import annotations
 
@@ -15,11 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from messages import ErrorReply
+from messages import ErrorReply, WireError
 from messages.common import FinishReason
-from messages.generate import GenerateChunk
+from messages.generate import AbortRequest, GenerateChunk
+from messages.prefix import block_hashes, configured_dtype, model_identity
+from services.gateway.open_requests import OpenRequest
 from services.runtime.context import Context
 from services.runtime.service import Service
+from services.runtime.tracing import SpanContext
 
 DEFAULTS = {
     "http_bind": "127.0.0.1:8000",
@@ -69,11 +74,12 @@ class GatewaySettings:
 
 class GatewayService(Service):
     kind = "gateway"
+    streamed_types = (GenerateChunk, ErrorReply)   # parts of a request: http_app writes its one summary
 
     def __init__(self, config):
         super().__init__(config)
         self.settings = GatewaySettings.from_settings(config.settings)
-        self.pending: dict[str, asyncio.Queue] = {}   # request id -> chunks (or errors) for its handler
+        self.pending: dict[str, OpenRequest] = {}   # request id -> what its HTTP handler waits on
         self.adapter = None
         self.model_id = ""   # covered by every block hash; equal to the workers' engine model_id
         self.pool: ThreadPoolExecutor | None = None
@@ -90,6 +96,7 @@ class GatewayService(Service):
     async def on_start(self) -> None:
         from services.gateway.adapter import Adapter, AdapterConfig, ServedModel
         from services.gateway.http_app import start_http
+        from services.gateway.worker_watch import watch_workers
         s = self.settings
         context = s.context_length or _model_context(s.model_dir)
         tokenizer = str(Path(s.model_dir) / "tokenizer.json") if s.model_dir else ""
@@ -99,10 +106,10 @@ class GatewayService(Service):
         self.adapter = await loop.run_in_executor(
             None, Adapter, AdapterConfig(models=(model,), max_body_bytes=s.max_body_bytes))
         if s.model_dir:
-            from engine.model_identity import configured_dtype, model_identity
             self.model_id = model_identity(s.model_dir, s.dtype or configured_dtype(s.model_dir))
         self.pool = ThreadPoolExecutor(s.tokenize_threads, thread_name_prefix="tokenize")
         self.http_runner = await start_http(self)
+        self.in_background(watch_workers(self), "worker_watch.failed")
         self.log.info("gateway.listening", http=f"http://{s.http_bind}", model=s.served_model, model_id=self.model_id,
                       context_length=context, upstream=self.config.upstream)
 
@@ -112,34 +119,59 @@ class GatewayService(Service):
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
-    # ---- chunks from the upstream --------------------------------------------------------
-    async def _on_chunk(self, msg: GenerateChunk, ctx: Context) -> None:
-        queue = self.pending.get(ctx.request_id)
-        if queue is None:   # finished or abandoned here; the worker learns from our abort
-            self.log.debug("chunk.orphan", request_id=ctx.request_id)
+    # ---- requests and their chunks -------------------------------------------------------
+    def open_request(self, request_id: str, span: SpanContext) -> OpenRequest:
+        self.pending[request_id] = OpenRequest(span)
+        return self.pending[request_id]
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """Stop an open request: at the worker that streams it when known, else at the upstream."""
+        request = self.pending.get(request_id)
+        if request is None:
             return
-        queue.put_nowait(msg)
+        try:
+            self.send(request.worker or self.config.upstream, AbortRequest(reason), request_id=request_id,
+                      span=request.span)
+        except WireError as exc:
+            self.log.warning("abort.undeliverable", request_id=request_id, code=exc.code.name)
+
+    async def _on_chunk(self, msg: GenerateChunk, ctx: Context) -> None:
+        request = self.pending.get(ctx.request_id)
+        if request is None:   # finished or abandoned here: stop its worker now
+            self.log.debug("chunk.orphan", request_id=ctx.request_id, sender=ctx.sender)
+            if ctx.request_id:
+                try:
+                    ctx.reply(AbortRequest("abandoned"))
+                except WireError as exc:
+                    self.log.warning("abort.undeliverable", request_id=ctx.request_id, code=exc.code.name)
+            return
+        request.stats.add(ctx.received_at, len(msg.token_ids))
+        if msg.worker:
+            request.worker = msg.worker
+        request.queue.put_nowait(msg)
 
     async def _on_error(self, msg: ErrorReply, ctx: Context) -> None:
-        queue = self.pending.get(ctx.request_id)
-        if queue is not None:
-            queue.put_nowait(msg)
+        request = self.pending.get(ctx.request_id)
+        if request is not None:
+            request.queue.put_nowait(msg)
         else:
             self.log.warning("upstream.error", request_id=ctx.request_id or None, code=msg.code,
                              error=msg.message)
 
     def prepare(self, protocol, body: bytes):
         """Convert, render, encode (adapter), then the prompt's block hash chain. Runs in the pool."""
-        from engine.kv.prefix_hash import block_hashes
         prepared = self.adapter.prepare(protocol, body)
         hashes = block_hashes(self.model_id, prepared.prompt_ids) if self.model_id else []
         return prepared, hashes
 
     def on_upstream_lost(self) -> None:
-        """The upstream stopped answering heartbeats: nothing will arrive for open requests."""
-        for request_id, queue in self.pending.items():
-            queue.put_nowait(GenerateChunk([], int(FinishReason.ERROR), error="upstream worker is unreachable"))
-            self.log.warning("request.upstream_lost", request_id=request_id)
+        """The upstream stopped answering: requests not yet streaming from a worker (watched on its
+        own, worker_watch.py) will get nothing."""
+        for request_id, request in self.pending.items():
+            if not request.worker:
+                request.queue.put_nowait(GenerateChunk([], int(FinishReason.ERROR),
+                                                       error="upstream worker is unreachable"))
+                self.log.warning("request.upstream_lost", request_id=request_id)
 
 
 def _model_context(model_dir: str) -> int:

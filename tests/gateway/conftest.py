@@ -2,13 +2,15 @@
 default (E/P/D) stack that the SDK tests drive."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 
 import pytest
 
 from messages.common import FinishReason
 from services.gateway.adapter import Adapter, AdapterConfig, Protocol, ServedModel
-from tests.ops.test_stack_commands import down_stack, up_stack
+from tests.helpers.test_helper_stack import down_stack, up_stack
 
 MODEL = "deepseek-v4-tiny"
 SMALL_MODEL = "deepseek-v4-small-context"
@@ -27,6 +29,14 @@ def adapter() -> Adapter:
         ServedModel(SMALL_MODEL, context_length=SMALL_CONTEXT, max_output_tokens=300),
         ServedModel(V41_MODEL, context_length=16384, encoding="v4.1"),
     )))
+
+
+@pytest.fixture(scope="session")
+def constrained_adapter(adapter) -> Adapter:
+    """The same models with output constraints accepted: what the grammar service will enforce."""
+    permissive = copy.copy(adapter)
+    permissive.config = dataclasses.replace(adapter.config, accept_constraints=True)
+    return permissive
 
 
 @pytest.fixture(scope="session")

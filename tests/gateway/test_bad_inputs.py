@@ -77,6 +77,7 @@ CASES = [
     (R, "max_output_tokens zero", responses_body(max_output_tokens=0), 400,
      "invalid_request_error", None),
     (R, "temperature wrong type", responses_body(temperature=[1]), 400, "invalid_request_error", None),
+    (R, "seed negative", responses_body(seed=-1), 400, "invalid_request_error", "seed"),
     (R, "no usable input item", responses_body(input=[{"type": "telepathy"}]), 400,
      "invalid_request_error", "input"),
     (R, "unknown role", responses_body(input=[{"role": "wizard", "content": "x"}]), 400,
@@ -90,6 +91,7 @@ CASES = [
         {"type": "hologram"}]}]), 400, "invalid_request_error", None),
     (M, "system is a number", messages_body(system=7), 400, "invalid_request_error", None),
     (M, "top_k wrong type", messages_body(top_k="many"), 400, "invalid_request_error", "top_k"),
+    (M, "seed not an integer", messages_body(seed="many"), 400, "invalid_request_error", "seed"),
 ]
 
 

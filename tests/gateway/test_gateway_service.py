@@ -10,7 +10,7 @@ import pytest
 from services.gateway.service import GatewayService
 from services.runtime.config import ServiceConfig
 from tests.gateway.conftest import MODEL
-from tests.ops.test_stack_commands import free_port_base
+from tests.helpers.test_helper_stack import free_port_base
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 MESSAGES = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -62,3 +62,30 @@ async def test_silent_upstream_gives_a_timeout_and_overload_is_429_or_529(gatewa
     status, body = await slow
     assert status == 504 and body["error"]["code"] == "timeout"
     assert svc.pending == {}
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+REFUSED_OVER_HTTP = [
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [IMAGE]}]}, "image inputs"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
+    ("/v1/responses", {"model": MODEL, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "https://example.com/cat.png"}]}]}, "image inputs"),
+    ("/v1/responses", {"model": MODEL, "input": "Hi", "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ("/v1/messages", {**MESSAGES, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}]}, "image inputs"),
+    ("/v1/messages", {**MESSAGES, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                      "tool_choice": {"type": "any"}}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("path,body,named", REFUSED_OVER_HTTP, ids=[f"{p}-{n}" for p, _, n in REFUSED_OVER_HTTP])
+async def test_unenforced_requests_are_a_400_over_http_and_never_reach_the_upstream(gateway, path, body, named):
+    svc, http = gateway
+    async with http.post(path, json=body, headers={"x-api-key": "sekrit"}) as r:
+        payload = await r.json()
+    assert r.status == 400
+    message = payload["error"]["message"]
+    assert named in message and "not supported" in message
+    assert (payload.get("type") == "error") == (path == "/v1/messages")   # each protocol's shape
+    assert svc.pending == {} and b"GenerateRequest" not in svc.metrics.exposition()   # nothing went upstream

@@ -12,6 +12,8 @@ from ops.control_client import query_status
 from tests.gateway.conftest import MODEL
 from tests.gateway.test_bad_inputs import CASES
 
+pytestmark = pytest.mark.slow   # starts service processes
+
 PATHS = {"chat.completions": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 def post(url: str, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict | None]:
     target = urlparse(url)

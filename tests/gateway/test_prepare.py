@@ -39,8 +39,8 @@ def test_tool_choice_none_hides_the_tools_and_turns_off_tool_parsing(adapter, pr
     assert prepared.response.parsing.parse_tool_calls is False
 
 
-def test_tool_choice_required_opens_the_tool_block_in_the_prompt(adapter):
-    prepared = adapter.prepare(Protocol.CHAT, chat_body(
+def test_tool_choice_required_opens_the_tool_block_in_the_prompt(constrained_adapter):
+    prepared = constrained_adapter.prepare(Protocol.CHAT, chat_body(
         tools=weather_tools(Protocol.CHAT), tool_choice="required", thinking={"type": "disabled"}))
     assert prompt_text(prepared).endswith(f"</think>\n\n{OPEN}\n")
     assert prepared.constraint.kind == "tool_call_required"
@@ -48,8 +48,8 @@ def test_tool_choice_required_opens_the_tool_block_in_the_prompt(adapter):
     assert prepared.response.parsing.library_options().starts_in_tool_calls is False
 
 
-def test_messages_named_tool_choice_is_required(adapter):
-    prepared = adapter.prepare(Protocol.MESSAGES, messages_body(
+def test_messages_named_tool_choice_is_required(constrained_adapter):
+    prepared = constrained_adapter.prepare(Protocol.MESSAGES, messages_body(
         tools=weather_tools(Protocol.MESSAGES), tool_choice={"type": "tool", "name": "get_weather"},
         thinking={"type": "disabled"}))
     assert prepared.constraint.kind == "tool_call_required"
@@ -130,6 +130,19 @@ def test_sampling_params_are_resolved(adapter):
     assert s.top_p == pytest.approx(0.5) and s.stop_token_ids == [1] and prepared.stream
 
 
+@pytest.mark.parametrize("protocol", list(Protocol))
+def test_thinking_mode_honours_temperature_top_p_and_seed(adapter, protocol):
+    prepared = adapter.prepare(protocol, BODY[protocol](temperature=0, top_p=0.5, seed=7))
+    assert prompt_text(prepared).endswith("<｜Assistant｜><think>")  # thinking mode, the default
+    s = prepared.sampling
+    assert (s.temperature, s.top_p, s.seed) == (0.0, 0.5, 7)          # 0.2.0 alone: 1.0, 1.0
+
+
+def test_thinking_mode_without_sampling_fields_keeps_the_recommended_values(adapter):
+    s = adapter.prepare(Protocol.CHAT, chat_body(tools=weather_tools(Protocol.CHAT))).sampling
+    assert s.temperature == 1.0 and s.top_p == pytest.approx(0.95) and s.seed is None
+
+
 def test_messages_top_k_is_passed_to_the_worker(adapter):
     assert adapter.prepare(Protocol.MESSAGES, messages_body(top_k=5)).sampling.top_k == 5
 
@@ -153,9 +166,9 @@ def test_generate_request_carries_prompt_and_sampling(adapter):
     assert request.model == MODEL and request.return_address == "tcp://gw:1"
 
 
-def test_response_format_json_schema_becomes_a_json_constraint(adapter):
+def test_response_format_json_schema_becomes_a_json_constraint(constrained_adapter):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    prepared = adapter.prepare(Protocol.CHAT, chat_body(response_format={
+    prepared = constrained_adapter.prepare(Protocol.CHAT, chat_body(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
     assert prepared.constraint.kind == "json"
     assert json.loads(prepared.constraint.schema) == schema

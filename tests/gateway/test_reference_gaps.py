@@ -204,11 +204,12 @@ def test_image_fetcher_refuses_loopback_and_private_destinations(adapter):
         server.shutdown()
         server.server_close()
     image_turn = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
-    v4 = adapter.prepare(Protocol.CHAT, chat_body(messages=image_turn))   # V4: no vision at all
-    assert "[Unsupported Image]" in v4.response.table.decode(v4.prompt_ids)
-    with pytest.raises(GatewayError) as refused_input:                    # V4.1: refused, unfetched
-        adapter.prepare(Protocol.CHAT, chat_body(model=V41_MODEL, messages=image_turn))
-    assert refused_input.value.status == 400 and "image" in refused_input.value.message
+    v4 = ChatCompletionRequest(chat_body(messages=image_turn)).convert(library_options())
+    assert v4.conversation.messages[0].content == "[Unsupported Image]"   # reproduces: silently lost
+    for model in (MODEL, V41_MODEL):                                       # refused, never fetched
+        with pytest.raises(GatewayError) as refused_input:
+            adapter.prepare(Protocol.CHAT, chat_body(model=model, messages=image_turn))
+        assert refused_input.value.status == 400 and "image inputs are not supported" in refused_input.value.message
 
 
 def test_hand_built_conversation_request_gets_a_thinking_stage(adapter, tokenizer):
@@ -221,13 +222,13 @@ def test_hand_built_conversation_request_gets_a_thinking_stage(adapter, tokenize
     assert (message["reasoning_content"], message["content"]) == ("Let me see.", "Hello!")
 
 
-def test_hand_built_required_tool_choice_starts_inside_the_tool_block(adapter, tokenizer):
+def test_hand_built_required_tool_choice_starts_inside_the_tool_block(constrained_adapter, tokenizer):
     tool = ToolDefinition("get_weather", "Weather.", WEATHER_SCHEMA)
     request = ConversationRequest(Conversation([UserMessage("Hi")], thinking_mode=False,
                                                tools=[tool], tool_choice="required"),
                                   ModelVersion.DeepseekV4Pro)
     assert request.parsing_options.starts_in_tool_calls is False            # reproduces
-    prepared = adapter.prepare_conversation(Protocol.CHAT, MODEL, request)
+    prepared = constrained_adapter.prepare_conversation(Protocol.CHAT, MODEL, request)
     out = DSML_CALL.format(name="get_weather", days=1).split("\n", 1)[1]   # prompt opened block
     message = accumulate_all(prepared, [tokenizer.encode(out)])["choices"][0]["message"]
     assert message["tool_calls"][0]["function"]["name"] == "get_weather"

@@ -14,6 +14,8 @@ import pytest
 from ops.control_client import query_status
 from tests.helpers.test_helper_processes import wait_until
 
+pytestmark = pytest.mark.slow   # starts service processes
+
 MODEL = "deepseek-v4-tiny"
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -65,6 +67,14 @@ def test_chat_non_streaming_structure_usage_and_determinism(oai):
     assert first.usage == again.usage
 
 
+def test_temperature_zero_is_greedy_in_thinking_mode_too(oai):
+    def think():
+        return oai.chat.completions.create(model=MODEL, temperature=0, max_tokens=12,
+                                           messages=[{"role": "user", "content": "Think about it."}])
+    answers = [think().choices[0].message for _ in range(3)]
+    assert len({(m.content, getattr(m, "reasoning_content", None)) for m in answers}) == 1
+
+
 def test_chat_streaming_equals_non_streaming(oai):
     whole = chat(oai, "Count with me.", max_tokens=10)
     chunks = list(chat(oai, "Count with me.", max_tokens=10, stream=True, stream_options={"include_usage": True}))
@@ -94,9 +104,13 @@ def test_stop_sequence_cuts_the_greedy_text(oai):
 
 
 def test_tools_with_tool_choice_and_a_multi_turn_tool_conversation(oai):
+    with pytest.raises(openai.BadRequestError, match="cannot force a tool call"):   # not enforced yet
+        oai.chat.completions.create(
+            model=MODEL, max_tokens=24, tools=TOOLS, extra_body=NO_THINKING,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            messages=[{"role": "user", "content": "Weather in Paris?"}])
     forced = oai.chat.completions.create(
-        model=MODEL, temperature=0, max_tokens=24, tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, extra_body=NO_THINKING,
+        model=MODEL, temperature=0, max_tokens=24, tools=TOOLS, tool_choice="auto", extra_body=NO_THINKING,
         messages=[{"role": "user", "content": "Weather in Paris?"}])
     assert forced.choices[0].finish_reason in ("stop", "length", "tool_calls")
     for call in forced.choices[0].message.tool_calls or []:
@@ -144,9 +158,12 @@ def test_anthropic_messages_streaming_and_not(claude):
 def test_anthropic_tools_and_tool_results(claude):
     tools = [{"name": "get_weather", "description": "Weather for a city",
               "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    with pytest.raises(anthropic.BadRequestError, match="cannot force a tool call"):   # not enforced yet
+        claude.messages.create(model=MODEL, max_tokens=8, tools=tools, tool_choice={"type": "any"},
+                               messages=[{"role": "user", "content": "Weather in Paris?"}])
     out = claude.messages.create(model=MODEL, max_tokens=8, tools=tools,
                                  extra_body={**GREEDY, "thinking": {"type": "disabled"}},
-                                 tool_choice={"type": "tool", "name": "get_weather"}, messages=[
+                                 tool_choice={"type": "auto"}, messages=[
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "tu_1", "name": "get_weather",
                                            "input": {"city": "Paris"}}]},

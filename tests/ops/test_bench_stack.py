@@ -17,6 +17,8 @@ from ops.bench.stack_local import moved_topology
 from ops.bench.stack_sides import Outcome, Round
 from tests.helpers.test_helper_stack import pid_alive
 
+pytestmark = pytest.mark.slow   # starts service processes
+
 STREAMS, ROUNDS, MAX_TOKENS = 2, 1, 4
 
 

@@ -16,6 +16,8 @@ from ops.topology import load_topology
 from tests.helpers.test_helper_processes import REPO, wait_until
 from tests.helpers.test_helper_stack import free_port_base, link_model, pid_alive
 
+pytestmark = pytest.mark.slow   # starts service processes
+
 RELAY = "tests.helpers.test_helper_relay:TestHelperRelay"
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ops import trace
+from ops import trace, trace_chrome, trace_command
 
 T0 = 1_700_000_000.0
 TRACE_ID = "ab" * 16
@@ -127,7 +127,7 @@ def test_render_shows_timeline_offsets_and_indented_tree():
 
 
 def test_chrome_trace_has_slices_processes_instants_and_flows():
-    events = trace.chrome_trace(trace.read_trace(sample_lines(), "req-1"))["traceEvents"]
+    events = trace_chrome.chrome_trace(trace.read_trace(sample_lines(), "req-1"))["traceEvents"]
     json.dumps(events)                                    # serialisable as it is
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {"gw-1 (gateway)", "router-1 (router)", "worker-1 (decode_worker)"}
@@ -150,9 +150,44 @@ def test_chrome_trace_has_slices_processes_instants_and_flows():
     assert worker_flow["ts"] == slices["Decode"]["ts"] and worker_flow["bp"] == "e"
 
 
+def streamed_lines() -> list[str]:
+    """The gateway's one summary of a streamed answer: 64 chunks, tokens from 12 ms to 80 ms."""
+    return [_line(1.0, "gw-1", "gateway", "http.request", **_request(GW_SPAN)),
+            _summary(90.0, "gw-1", "gateway", "chat.completions", "http", 0.0, 90.0, 0.0, GW_SPAN,
+                     chunks=64, first_token_ms=12.0, last_token_ms=80.0, gap_p50_ms=1.0, gap_max_ms=6.5,
+                     phases={"prepare_ms": 0.5})]
+
+
+def test_a_streamed_answer_shows_first_and_last_token_chunk_count_and_gaps():
+    result = trace.read_trace(streamed_lines(), "req-1")
+    [span] = result.spans
+    assert span.phases == {"prepare_ms": 0.5}
+    assert span.stream == {"chunks": 64, "first_token_ms": 12.0, "last_token_ms": 80.0,
+                           "gap_p50_ms": 1.0, "gap_max_ms": 6.5}
+    text = trace.render(result)
+    assert "request req-1: 2 log lines from 1 instance" in text
+    timeline = [line.split(None, 3) for line in text.split("spans (")[0].splitlines()[3:] if line.strip()]
+    assert [row[:3] for row in timeline] == [
+        ["1.000", "gw-1", "http.request"], ["12.000", "gw-1", "stream.first_token"],
+        ["80.000", "gw-1", "stream.last_token"], ["90.000", "gw-1", "request.summary"]]
+    assert timeline[2][3] == "64 chunks, gap p50=1.000ms max=6.500ms"
+    tree = text.split("spans (")[1].splitlines()[1]
+    assert "chunks=64 first_token=12.000ms last_token=80.000ms gap_p50=1.000ms gap_max=6.500ms" in tree
+    events = trace_chrome.chrome_trace(result)["traceEvents"]
+    marks = {e["name"]: e["ts"] for e in events if e.get("cat") == "stream"}
+    assert marks == {"stream.first_token": pytest.approx(12_000.0, abs=0.5),
+                     "stream.last_token": pytest.approx(80_000.0, abs=0.5)}
+
+
+def test_a_summary_without_tokens_has_no_token_rows():
+    line = _summary(5.0, "gw-1", "gateway", "chat.completions", "http", 0.0, 5.0, 0.0, GW_SPAN, chunks=0)
+    result = trace.read_trace([line], "req-1")
+    assert result.spans[0].stream == {"chunks": 0} and "stream.first_token" not in trace.render(result)
+
+
 def _cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="epd")
-    trace.register(parser.add_subparsers())
+    trace_command.register(parser.add_subparsers())
     args = parser.parse_args(argv)
     return args.func(args)
 

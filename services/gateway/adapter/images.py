@@ -1,10 +1,12 @@
-"""Image fetching with an SSRF guard.
+"""Images: where a request has one, and fetching them with an SSRF guard.
 
 deepseek-recipe's `ReqwestImageFetcher()` connects to any address a client's image URL names
 (loopback, the cluster network, cloud metadata at 169.254.169.254...). Every fetcher the gateway
 builds goes through `safe_image_fetcher`, whose destination filter admits only globally routable
 unicast addresses; it is applied by the library to every resolved address and every redirect.
-Until vision workers exist the adapter refuses image inputs outright (AdapterConfig.accept_images).
+Until vision workers exist the adapter refuses image inputs in every API (AdapterConfig.accept_images,
+unenforced.py); `first_image` finds them in the body, since the V4 encoding would silently turn
+each into the text "[Unsupported Image]".
 """
 from __future__ import annotations
 
@@ -14,6 +16,28 @@ from deepseek_recipe import ReqwestImageFetcher
 
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# Content part types that carry an image: OpenAI Chat, OpenAI Responses, Anthropic Messages.
+IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+# ... and a file or document (the V4 encoding turns each into "[Unsupported Document]").
+DOCUMENT_PARTS = frozenset({"file", "input_file", "document"})
+_NESTED = ("content", "output")   # a message's parts; tool results carry their own part lists
+
+
+def first_image(messages, path: str, part_types: frozenset[str] = IMAGE_PARTS) -> str | None:
+    """Where the first image part (or other `part_types`) in a message list is (`messages[0].content[1]`), or None.
+    Only message content is walked, never tool schemas or tool-call arguments; iteratively, since
+    a client may nest tool results deeply."""
+    todo = [(messages, path)]
+    while todo:
+        value, at = todo.pop()
+        if isinstance(value, list):
+            todo.extend((item, f"{at}[{i}]") for i, item in reversed(list(enumerate(value))))
+        elif isinstance(value, dict):
+            if value.get("type") in part_types:
+                return at
+            todo.extend((value[key], f"{at}.{key}") for key in reversed(_NESTED)
+                        if isinstance(value.get(key), list))
+    return None
 
 
 def is_public_address(address: str) -> bool:

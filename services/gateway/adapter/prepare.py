@@ -15,13 +15,14 @@ from deepseek_recipe import (
 
 from messages.common import SamplingParams
 from messages.generate import GenerateRequest
-from services.gateway.adapter import request_checks
+from services.gateway.adapter import request_checks, unenforced
 from services.gateway.adapter.config import AdapterConfig
 from services.gateway.adapter.errors import (
     GatewayError, Protocol, from_library_error, internal, invalid_request, request_too_large,
 )
 from services.gateway.adapter.models import ModelRuntime, load_models
 from services.gateway.adapter.parsing import output_parsing_for
+from services.gateway.adapter.request_checks import RequestedSampling
 from services.gateway.adapter.response import ResponseAccumulator, ResponseSpec, ResponseStream
 
 _REQUEST_CLASS = {Protocol.CHAT: ChatCompletionRequest, Protocol.RESPONSES: ResponsesRequest,
@@ -88,7 +89,11 @@ class Adapter:
         runtime = self._models[model]
         if request_checks.normalise(protocol, payload):
             body = msgspec.json.encode(payload)
-        top_k = request_checks.top_k(payload)
+        if not self.config.accept_images:
+            unenforced.refuse_images(protocol, payload)
+        if not self.config.accept_constraints:
+            unenforced.refuse_constraints(protocol, payload)
+        requested = request_checks.requested_sampling(payload)
         echo, namespace_tools = None, {}
         try:
             library_request = _REQUEST_CLASS[protocol](body)
@@ -98,19 +103,20 @@ class Adapter:
             converted = library_request.convert(runtime.options)
         except (ConversionError, ValueError, TypeError) as exc:
             raise from_library_error(exc) from None
-        return self._finish(protocol, model, runtime, converted, top_k, echo, namespace_tools)
+        return self._finish(protocol, model, runtime, converted, requested, echo, namespace_tools)
 
     def prepare_conversation(self, protocol: Protocol, model: str,
                              request: ConversationRequest) -> PreparedRequest:
         """Prepare a hand-built ConversationRequest (its parsing options are repaired)."""
         if model not in self._served:
             raise request_checks.model_not_found(protocol, model, self._served)
-        return self._finish(protocol, model, self._models[model], request, 0, None, {})
+        return self._finish(protocol, model, self._models[model], request, RequestedSampling(), None, {})
 
     # -- shared tail -------------------------------------------------------------------------
 
     def _finish(self, protocol: Protocol, model: str, runtime: ModelRuntime,
-                converted: ConversationRequest, top_k: int, echo, namespace_tools) -> PreparedRequest:
+                converted: ConversationRequest, requested: RequestedSampling, echo,
+                namespace_tools) -> PreparedRequest:
         conversation = converted.conversation
         if not conversation.messages:
             raise invalid_request("the request has no message to answer",
@@ -118,6 +124,8 @@ class Adapter:
         if not self.config.accept_images and any(m.image_sources for m in conversation.messages):
             raise invalid_request("image inputs are not supported by this deployment",
                                   param=_PROMPT_PARAM[protocol], code="unsupported_content")
+        if not self.config.accept_constraints:
+            unenforced.refuse_converted(conversation, converted.inference_options.output_constraint)
         try:
             prompt_ids = runtime.encoding.encode(conversation)
         except (RuntimeError, ValueError) as exc:
@@ -125,11 +133,14 @@ class Adapter:
         context = runtime.served.context_length
         max_tokens = self._max_tokens(protocol, converted, len(prompt_ids), context)
         options = converted.inference_options
-        parsing = output_parsing_for(converted)
         constraint = options.output_constraint
+        parsing = output_parsing_for(converted)
+        # The request's own values first: in thinking mode the library resolves temperature and
+        # top_p to its recommended 1.0 / 0.95 whatever was asked, so temperature 0 was not greedy.
         sampling = SamplingParams(
-            temperature=_or(options.temperature, 1.0), top_p=_or(options.top_p, 1.0), top_k=top_k,
-            seed=options.seed, max_tokens=max_tokens, stop_token_ids=[runtime.eos_id],
+            temperature=_or(requested.temperature, _or(options.temperature, 1.0)),
+            top_p=_or(requested.top_p, _or(options.top_p, 1.0)), top_k=requested.top_k,
+            seed=_or(options.seed, requested.seed), max_tokens=max_tokens, stop_token_ids=[runtime.eos_id],
             logprobs=options.logprobs, top_logprobs=_or(options.top_logprobs, 0))
         spec = ResponseSpec(
             protocol=protocol, model=model, request=converted, parsing=parsing,

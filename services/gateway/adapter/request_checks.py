@@ -6,13 +6,18 @@ What the library would get wrong or accept silently is handled here:
 - Responses features that need server-side state we do not keep (`previous_response_id`,
   `background`, `conversation`) are refused instead of silently ignored.
 - `top_k` (an extension in the OpenAI APIs, standard in Anthropic's) is read here: the library's
-  inference options have no top_k.
+  inference options have no top_k; so is `seed` where the library reads none (Responses, Messages).
+- `temperature` and `top_p` are read here too: in thinking mode the library resolves both to its
+  recommended values whatever the request says, and we honour what the client asked for.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.adapter.errors import GatewayError, Protocol, invalid_request, not_found
+
+_SEED_LIMIT = 1 << 63
 
 _STATELESS_ONLY = {"previous_response_id": "this server does not store responses",
                    "conversation": "this server does not store conversations",
@@ -62,6 +67,34 @@ def _developer_to_system(messages: Any) -> bool:
                 message["role"] = "system"
                 changed = True
     return changed
+
+
+@dataclass(frozen=True, slots=True)
+class RequestedSampling:
+    """Sampling values as the client sent them (None: not sent). The library validates
+    temperature and top_p during conversion; top_k and seed are validated here."""
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    top_k: int = 0
+
+
+def requested_sampling(payload: dict) -> RequestedSampling:
+    return RequestedSampling(temperature=_number(payload.get("temperature")),
+                             top_p=_number(payload.get("top_p")), seed=_seed(payload.get("seed")),
+                             top_k=top_k(payload))
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _seed(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _SEED_LIMIT:
+        raise invalid_request("seed: expected an integer in [0, 2^63)", param="seed")
+    return value
 
 
 def top_k(payload: dict) -> int:

@@ -6,9 +6,10 @@ turns ids into text (UTF-8 split across tokens held back); the OutputScanner mak
 for deepseek-recipe's StreamProcessor, which emits the protocol events. Usage-bearing events get
 the adapter's counts; sentinel characters are turned back into marker spellings.
 
-Both classes share `push(token_ids, finish, usage, logprobs=None)`. After the response is
-complete (finish reason, EOS, a stop sequence, an error) `finished` is True and further pushes
-return nothing: when that happens before the worker's own finish, abort the worker.
+Both classes share `push(token_ids, finish, usage, logprobs=None)` and `fail(error)` (the request
+failed outside the worker's output: it died, went silent). After the response is complete (finish
+reason, EOS, a stop sequence, an error) `finished` is True and further pushes return nothing:
+when that happens before the worker's own finish, abort the worker.
 """
 from __future__ import annotations
 
@@ -185,6 +186,13 @@ class _Pipeline:
             events += self._processor.push(InferenceChunk.finish(_LIBRARY_FINISH[finish]))
         return events
 
+    def fail(self, error: GatewayError) -> bool:
+        """End the response with `error`; False when it had already ended."""
+        if self.finished:
+            return False
+        self._fail(error)
+        return True
+
     def _fail(self, error: GatewayError) -> None:
         self.error = error
         self.finished = True
@@ -242,11 +250,18 @@ class ResponseStream:
         out = [self._frame(event, counts)
                for event, counts in self._pipe.push(token_ids, finish, usage, logprobs)]
         if self._pipe.finished and not was_finished:
-            if self._pipe.error is not None:
-                out.append(self._error_frame(self._pipe.error))
-            done = self._response_class.sse_done_data()
-            if done is not None:
-                out.append(f"data: {done}\n\n".encode())
+            out += self._closing_frames()
+        return out
+
+    def fail(self, error: GatewayError) -> list[bytes]:
+        """The frames that end the stream with `error` in the protocol's shape."""
+        return self._closing_frames() if self._pipe.fail(error) else []
+
+    def _closing_frames(self) -> list[bytes]:
+        out = [self._error_frame(self._pipe.error)] if self._pipe.error is not None else []
+        done = self._response_class.sse_done_data()
+        if done is not None:
+            out.append(f"data: {done}\n\n".encode())
         return out
 
     def _frame(self, event, counts: TokenCounts | None) -> bytes:
@@ -301,6 +316,11 @@ class ResponseAccumulator:
              logprobs: Logprobs | None = None) -> list[bytes]:
         for event, _ in self._pipe.push(token_ids, finish, usage, logprobs):
             self._response.accumulate(event)
+        return []
+
+    def fail(self, error: GatewayError) -> list[bytes]:
+        """End the response with `error`: body() raises it."""
+        self._pipe.fail(error)
         return []
 
     def body(self) -> bytes:

@@ -1,0 +1,63 @@
+"""The gateway's open requests: what each HTTP handler waits on, the worker that streams it, and
+the chunk counts of its one `request.summary` line. No sockets.
+
+Chunks arrive one message each (a 64-token answer can be 64 messages); the runtime writes no
+summary per chunk (GatewayService.streamed_types), so their timings are folded in here instead:
+how many, when the first and last tokens came, and the gaps between chunks (p50 and max).
+"""
+from __future__ import annotations
+
+import asyncio
+import statistics
+from array import array
+from dataclasses import dataclass, field
+
+from services.runtime.tracing import SpanContext
+
+
+class ChunkStats:
+    """Arrival times of one request's chunks, as summary fields (ms from the request's start)."""
+
+    __slots__ = ("chunks", "first_token_at", "last_token_at", "_last_at", "_gaps_ms")
+
+    def __init__(self) -> None:
+        self.chunks = 0
+        self.first_token_at = 0.0
+        self.last_token_at = 0.0
+        self._last_at = 0.0
+        self._gaps_ms = array("f")   # 4 bytes a chunk: exact p50 without holding Python floats
+
+    def add(self, at: float, tokens: int) -> None:
+        """A chunk that arrived at `at` (epoch seconds) with `tokens` token ids."""
+        if self.chunks:
+            self._gaps_ms.append((at - self._last_at) * 1e3)
+        self.chunks += 1
+        self._last_at = at
+        if tokens:
+            self.first_token_at = self.first_token_at or at
+            self.last_token_at = at
+
+    def fields(self, start: float) -> dict:
+        """`chunks` always; token times once a token came; gaps once two chunks did."""
+        out: dict = {"chunks": self.chunks}
+        if self.first_token_at:
+            out["first_token_ms"] = round((self.first_token_at - start) * 1e3, 3)
+            out["last_token_ms"] = round((self.last_token_at - start) * 1e3, 3)
+        if self._gaps_ms:
+            out["gap_p50_ms"] = round(statistics.median(self._gaps_ms), 3)
+            out["gap_max_ms"] = round(max(self._gaps_ms), 3)
+        return out
+
+
+@dataclass(slots=True, eq=False)
+class OpenRequest:
+    """One request between its GenerateRequest and the end of its HTTP answer."""
+    span: SpanContext
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # chunks, ErrorReply, GatewayError
+    worker: str = ""              # the streaming worker's address, once a chunk names it
+    stats: ChunkStats = field(default_factory=ChunkStats)
+
+
+def streaming_workers(requests: dict[str, OpenRequest]) -> list[str]:
+    """The distinct addresses of the workers streaming open requests."""
+    return sorted({r.worker for r in requests.values() if r.worker})

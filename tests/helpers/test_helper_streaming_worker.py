@@ -1,0 +1,61 @@
+"""Test-only services for the gateway's stream handling, in-process over real ZeroMQ: a router
+that forwards each GenerateRequest to one worker, and a worker that streams scripted chunks to the
+gateway (naming itself on the first, as the real workers do). Both record the aborts they get."""
+from __future__ import annotations
+
+from messages.common import FinishReason, Usage
+from messages.generate import AbortRequest, GenerateChunk, GenerateRequest
+from services.runtime.service import Service
+
+TOKEN = 3_000   # any plain-text token id of the V4 vocabulary
+
+
+class TestHelperRouter(Service):
+    """settings: worker (the address every GenerateRequest goes on to)."""
+
+    kind = "test_helper_router"
+    __test__ = False   # not a pytest test class
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.aborts: list[tuple[str, str]] = []   # (request id, reason)
+
+    def handlers(self):
+        return {GenerateRequest: self._forward, AbortRequest: self._on_abort}
+
+    async def _forward(self, msg: GenerateRequest, ctx) -> None:
+        self.send(self.config.settings["worker"], msg, request_id=ctx.request_id, span=ctx.span)
+
+    async def _on_abort(self, msg: AbortRequest, ctx) -> None:
+        self.aborts.append((ctx.request_id, msg.reason))
+
+
+class TestHelperStreamingWorker(Service):
+    """settings: chunks (one-token chunks to send), finish (then a STOP chunk with usage; without
+    it the stream stays open, as if the worker were still generating)."""
+
+    kind = "test_helper_streaming_worker"
+    __test__ = False
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.aborts: list[tuple[str, str]] = []   # (request id, reason)
+        self.sent: dict[str, int] = {}            # request id -> chunks sent
+
+    def handlers(self):
+        return {GenerateRequest: self._stream, AbortRequest: self._on_abort}
+
+    async def _stream(self, msg: GenerateRequest, ctx) -> None:
+        count = int(self.config.settings.get("chunks", 1))
+        chunks = [GenerateChunk([TOKEN], worker=self.config.advertise if i == 0 else "") for i in range(count)]
+        if self.config.settings.get("finish", True):
+            chunks.append(GenerateChunk([], int(FinishReason.STOP), usage=Usage(len(msg.prompt_ids), 0, count)))
+        for chunk in chunks:
+            self.send_chunk(msg.return_address, ctx.request_id, chunk)
+
+    def send_chunk(self, address: str, request_id: str, chunk: GenerateChunk) -> None:
+        self.send(address, chunk, request_id=request_id)
+        self.sent[request_id] = self.sent.get(request_id, 0) + 1
+
+    async def _on_abort(self, msg: AbortRequest, ctx) -> None:
+        self.aborts.append((ctx.request_id, msg.reason))
