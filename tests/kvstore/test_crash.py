@@ -18,6 +18,8 @@ from kvstore import SegmentStore, StoreReader, StoreSettings
 from tests.kvstore import crash_writer
 from tests.kvstore.common import chain, same_bits
 
+pytestmark = pytest.mark.slow   # starts service processes
+
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("batch", "none", "always")   # one writer process per policy, each killed -9
 CHAINS_PER_ROUND = 8

@@ -15,6 +15,8 @@ from messages.errors import ErrorCode, ErrorReply
 from services.workers.tensors import to_frame, torch_frame
 from tests.helpers.test_helper_processes import ServiceProcess, tcp_config, wait_until
 
+pytestmark = pytest.mark.slow   # starts service processes
+
 RELAY = "tests.helpers.test_helper_relay:TestHelperRelay"
 
 

@@ -13,10 +13,12 @@ import random
 import pytest
 import tokenizers
 
+from messages.prefix import BLOCK_TOKENS as BLOCK
 from tests.helpers.test_helper_reuse_stack import (DECODE_WORKER, MODEL, NO_THINKING, SPLIT, Prompts, down,
-                                           up)
+                                                   up)
 
-BLOCK = 128
+pytestmark = pytest.mark.slow   # starts service processes
+
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ import pytest
 
 from ops.control_client import query_status
 
+pytestmark = pytest.mark.slow   # starts service processes
+
 MODEL = "deepseek-v4-tiny"
 NO_THINKING = {"thinking": {"type": "disabled"}}
 LONG = " ".join(f"Fact {i}: the {i}th lighthouse keeper kept a log of ships." for i in range(40))

@@ -9,44 +9,21 @@ import asyncio
 import pytest
 
 from messages.common import FinishReason
-from messages.control import ServiceState
 from messages.generate import GenerateChunk, GenerateRequest
 from messages.prefix import block_hashes
 from services.decode_router.service import DecodeRouterService
 from services.kv_writer.service import KvWriterService
 from services.prefill_router.service import PrefillRouterService
-from services.runtime.config import ServiceConfig
 from services.runtime.service import Service
 from services.swa_registry.service import SwaRegistryService
 from services.workers.decode import DecodeWorker
 from services.workers.prefill import PrefillWorker
 from tests.engine.references import greedy_params, make_prompt
 from tests.helpers.test_helper_async import eventually
+from tests.helpers.test_helper_services import InProcessServices
 from tests.workers.test_workers_inprocess import TestHelperGateway, engine_settings
 
-FAST = {"heartbeat_s": 0.1, "dead_after": 5}
-
-
-class PathStack:
-    def __init__(self, tmp_path):
-        self.tmp_path = tmp_path
-        self.tasks: list[tuple[Service, asyncio.Task]] = []
-
-    async def start(self, cls, name: str, settings=None, upstream: str = "") -> Service:
-        config = ServiceConfig(kind=cls.kind, instance=name, bind=f"ipc://{self.tmp_path}/{name}.sock",
-                               upstream=upstream, settings=settings or {}, **FAST)
-        svc = cls(config)
-        task = asyncio.create_task(svc.run(install_signals=False))
-        self.tasks.append((svc, task))
-        await eventually(lambda: svc.state != ServiceState.STARTING or task.done(), timeout=120, what=f"{name} started")
-        assert not task.done(), f"{name} failed to start"
-        return svc
-
-    async def close(self) -> None:
-        for svc, _ in reversed(self.tasks):
-            svc.stop()
-        assert all(code == 0 for code in await asyncio.gather(*(task for _, task in self.tasks)))
-
+class PathStack(InProcessServices):
     async def generate(self, rid: str, prompt: list[int], max_tokens: int) -> list[GenerateChunk]:
         request = GenerateRequest(model="tiny", prompt_ids=prompt, sampling=greedy_params(max_tokens),
                                   block_hashes=block_hashes(self.decode.model_id, prompt),

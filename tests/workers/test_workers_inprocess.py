@@ -11,7 +11,6 @@ import pytest
 
 from engine.engine_core import EngineConfig, EngineCore, EngineRequest
 from messages.common import FinishReason
-from messages.control import ServiceState
 from messages.errors import ErrorCode, RemoteError
 from messages.generate import AbortRequest, GenerateChunk, GenerateRequest
 from messages.handoff import KVSnapshot, StateHandoff
@@ -19,16 +18,13 @@ from messages.routing import PrefillDone, PrefillWork
 from messages.prefix import block_hashes
 from messages.swa_registry import SwaLookup, SwaUnregister
 from services.kv_writer.service import KvWriterService
-from services.runtime.config import ServiceConfig
 from services.runtime.service import Service
 from services.swa_registry.service import SwaRegistryService
 from services.workers.decode import DecodeWorker
 from services.workers.prefill import PrefillWorker
 from tests.engine.references import greedy_params, make_prompt, run_engine
 from tests.helpers.test_helper_async import eventually
-
-FAST = {"heartbeat_s": 0.1, "dead_after": 5}
-
+from tests.helpers.test_helper_services import InProcessServices
 
 def engine_settings(model_dir) -> dict:
     return {"model_dir": str(model_dir), "dtype": "float32", "num_pages": 64, "max_num_seqs": 8,
@@ -59,26 +55,10 @@ class TestHelperGateway(Service):
         return [t for c in self.chunks[rid] for t in c.token_ids]
 
 
-class Stack:
+class Stack(InProcessServices):
     def __init__(self, tmp_path, model_dir):
-        self.tmp_path, self.model_dir = tmp_path, model_dir
-        self.tasks: list[tuple[Service, asyncio.Task]] = []
-
-    async def start(self, cls, name: str, settings=None) -> Service:
-        config = ServiceConfig(kind=cls.kind, instance=name, bind=f"ipc://{self.tmp_path}/{name}.sock",
-                               settings=settings or {}, **FAST)
-        svc = cls(config)
-        task = asyncio.create_task(svc.run(install_signals=False))
-        self.tasks.append((svc, task))
-        await eventually(lambda: svc.state != ServiceState.STARTING or task.done(), timeout=120, what=f"{name} started")
-        assert not task.done(), f"{name} failed to start"
-        return svc
-
-    async def close(self) -> None:
-        for svc, _ in reversed(self.tasks):
-            svc.stop()
-        codes = await asyncio.gather(*(task for _, task in self.tasks))
-        assert all(code == 0 for code in codes)
+        super().__init__(tmp_path)
+        self.model_dir = model_dir
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,35 @@
+"""Test-only: services started in this test's event loop over real ZeroMQ (ipc sockets under a tmp
+dir), waited for without sleeping, and stopped at the end with each checked to exit cleanly."""
+from __future__ import annotations
+
+import asyncio
+
+from messages.control import ServiceState
+from services.runtime.config import ServiceConfig
+from services.runtime.service import Service
+from tests.helpers.test_helper_async import eventually
+
+FAST = {"heartbeat_s": 0.1, "dead_after": 5}
+
+
+class InProcessServices:
+    def __init__(self, tmp_path, timing: dict | None = None):
+        self.tmp_path = tmp_path
+        self.timing = FAST if timing is None else timing
+        self.tasks: list[tuple[Service, asyncio.Task]] = []
+
+    async def start(self, cls, name: str, settings=None, upstream: str = "") -> Service:
+        config = ServiceConfig(kind=cls.kind, instance=name, bind=f"ipc://{self.tmp_path}/{name}.sock",
+                               upstream=upstream, settings=settings or {}, **self.timing)
+        svc = cls(config)
+        task = asyncio.create_task(svc.run(install_signals=False))
+        self.tasks.append((svc, task))
+        await eventually(lambda: svc.state != ServiceState.STARTING or task.done(), timeout=120, what=f"{name} started")
+        assert not task.done(), f"{name} failed to start"
+        return svc
+
+    async def close(self) -> None:
+        for svc, _ in reversed(self.tasks):
+            svc.stop()
+        codes = await asyncio.gather(*(task for _, task in self.tasks))
+        assert all(code == 0 for code in codes)
