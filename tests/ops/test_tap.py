@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from messages import Codec
+from messages import SCHEMA_VERSION, Codec
 from messages.control import Echo, EchoReply, Heartbeat, Load
 from messages.tensors import TensorDesc
 from ops.tap import Tap, describe_frames, tap
@@ -30,7 +30,7 @@ def test_describe_names_the_type_header_body_and_buffers():
     summary, details = describe_frames(_echo_frames(Codec(sender="client")))
     assert summary == "Echo(0x0108) req=req-7 from=client msg=m-1 1 buf 24 B"
     header = details[0]
-    assert header.startswith("header: version=1 msg_id='m-1' request_id='req-7' traceparent='00-aaaa")
+    assert header.startswith(f"header: version={SCHEMA_VERSION} msg_id='m-1' request_id='req-7' traceparent='00-aaaa")
     assert "sender='client'" in header and "sent_at=" in header and "in_reply_to=''" in header
     assert details[1] == "body: {'payload': b'hello', 'delay_ms': 1.5}"
     assert details[2] == "buffer[0]: float32[2, 3] 24 bytes"
@@ -46,9 +46,10 @@ def test_describe_names_nested_struct_fields():
     ([b"\x01\x08\x00", msgpack.packb([1])], "problem: tag: must be 2 bytes, got 01 08 00 (3 bytes)"),
     ([b"\x01\x08", b"\xc1\xc1garbage"], "problem: header: "),
     ([b"\x01\x08", msgpack.packb({"not": "a header"})], "expected an array of 8 or 9 fields"),
-    ([b"\xf0\xff", msgpack.packb([1, "m", "r", "", "s", 0.0, [], [], ""])], "UNKNOWN(0xf0ff)"),
-    ([b"\x01\x08", msgpack.packb([2, "m", "r", "", "s", 0.0, [], [], ""])], "this build speaks 1"),
-    ([b"\x01\x08", msgpack.packb([1, "m", "r", "", "s", 0.0, [["float32", [4]]], [], ""]), b"xx"],
+    ([b"\xf0\xff", msgpack.packb([SCHEMA_VERSION, "m", "r", "", "s", 0.0, [], [], ""])], "UNKNOWN(0xf0ff)"),
+    ([b"\x01\x08", msgpack.packb([SCHEMA_VERSION + 1, "m", "r", "", "s", 0.0, [], [], ""])],
+     f"this build speaks {SCHEMA_VERSION}"),
+    ([b"\x01\x08", msgpack.packb([SCHEMA_VERSION, "m", "r", "", "s", 0.0, [["float32", [4]]], [], ""]), b"xx"],
      "MISMATCH: descriptor needs 16 bytes"),
 ])
 def test_describe_shows_malformed_frames_with_the_reason(frames, expected):

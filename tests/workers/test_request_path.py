@@ -1,26 +1,31 @@
 """The E/P/D request path in-process over real ZeroMQ (prefill router, decode router, prefill and
 decode workers, KV writer, SWA registry; a test-helper gateway): a cache hit makes at most one
 blocking call before the first prefill step, and a request that finds every decode worker full
-waits for room instead of being refused."""
+waits for room instead of being refused; a client's abort goes from the gateway straight to the
+decode worker that streams it, never through a router."""
 from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 
 from messages.common import FinishReason
 from messages.generate import GenerateChunk, GenerateRequest
 from messages.prefix import block_hashes
 from services.decode_router.service import DecodeRouterService
+from services.gateway.service import GatewayService
 from services.kv_writer.service import KvWriterService
 from services.prefill_router.service import PrefillRouterService
 from services.runtime.service import Service
 from services.swa_registry.service import SwaRegistryService
 from services.workers.decode import DecodeWorker
 from services.workers.prefill import PrefillWorker
+from tests.conftest import MODEL_NAME
 from tests.engine.references import greedy_params, make_prompt
 from tests.helpers.test_helper_async import eventually
 from tests.helpers.test_helper_services import InProcessServices
+from tests.helpers.test_helper_stack import free_port_base
 from tests.workers.test_workers_inprocess import TestHelperGateway, engine_settings
 
 class PathStack(InProcessServices):
@@ -135,3 +140,30 @@ async def test_every_decode_worker_full_means_waiting_not_refusal(tmp_path, tiny
     finally:
         watcher.cancel()
         await s.close()
+
+
+async def test_a_client_abort_reaches_the_decode_worker_without_passing_through_a_router(path, tiny_model_dir):
+    s = path
+    port = free_port_base(1, offset=0)
+    gateway = await s.start(GatewayService, "gateway", {"http_bind": f"127.0.0.1:{port}", "model_dir": str(tiny_model_dir),
+                                                        "dtype": "float32", "context_length": 4096},
+                            upstream=s.router.config.advertise)
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 3000,
+            "stream": True, "thinking": {"type": "disabled"}}
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
+        response = await http.post("/v1/chat/completions", json=body)
+        assert response.status == 200
+        events = 0
+        async for line in response.content:
+            events += line.startswith(b"data: ")
+            if events >= 5:
+                break
+        assert len(s.decode.streams) == 1
+        response.close()                                  # the client goes away mid-stream
+    await eventually(lambda: len(s.decode.streams) == 0, timeout=10, what="the decode worker freed the request")
+    received = s.router.metrics.registry.get_sample_value
+    labels = {"kind": "prefill_router", "instance": "router"}
+    assert received("epd_messages_in_total", {**labels, "type": "AbortRequest"}) is None   # never via the router
+    assert s.decode.metrics.registry.get_sample_value(
+        "epd_messages_in_total", {"kind": "decode_worker", "instance": "decode", "type": "AbortRequest"}) == 1
+    assert gateway.in_flight() == 0
