@@ -30,6 +30,7 @@ A dead gateway's waiting requests are dropped and its running ones aborted.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 from messages import ErrorReply
@@ -56,10 +57,15 @@ class Job:
 
     request: GenerateRequest
     span: SpanContext
+    sender: str
+    received_at: float
+    dispatched_at: float = 0.0
 
 
 class PrefillRouterService(Service):
     kind = "prefill_router"
+    # one request.summary per request, written when it leaves (done, failed, aborted), not per message
+    streamed_types = (GenerateRequest, PrefillDone, ErrorReply, AbortRequest)
 
     def __init__(self, config: ServiceConfig):
         self.settings = parse_settings(PrefillRouterSettings, config.settings, self.kind)
@@ -91,7 +97,7 @@ class PrefillRouterService(Service):
         if self.core.is_queued(rid) or self.core.holder(rid):
             raise InvalidRequest(f"request {rid} is already routed here", request_id=rid)
         probe = self._kv_probe(msg, rid)
-        item = self.core.submit(rid, len(msg.prompt_ids), probe, Job(msg, ctx.span))
+        item = self.core.submit(rid, len(msg.prompt_ids), probe, Job(msg, ctx.span, ctx.sender, time.time()))
         self.log.info("request.queued", request_id=rid, bucket=item.bucket, prompt_tokens=item.prompt_tokens,
                       kv_hit_tokens=probe)
         self._pump()
@@ -100,8 +106,8 @@ class PrefillRouterService(Service):
         held = self._finish_from(ctx)
         if held is not None:
             self.decode.handed_off(held.request_id)
-            self.log.info("request.prefilled", request_id=held.request_id, rank=held.instance,
-                          hit_tokens=msg.hit_tokens, computed_tokens=msg.computed_tokens)
+            self._summarize(held.item, "ok", rank=held.instance, hit_tokens=msg.hit_tokens,
+                            computed_tokens=msg.computed_tokens)
             self._pump()
 
     async def _on_error(self, msg: ErrorReply, ctx: Context) -> None:
@@ -118,12 +124,15 @@ class PrefillRouterService(Service):
         rid = ctx.request_id
         found = self.core.cancel(rid)
         self.decode.release(rid)
-        where = "queue" if isinstance(found, Queued) else "not_here"
         if isinstance(found, Outstanding):
-            where = found.instance
             self._send_quietly(found.address, msg, rid, found.item.payload.span)
             self._pump()
-        self.log.info("request.aborted", request_id=rid, where=where)
+        if found is None:   # already handed off (the gateway aborts at the decode worker) or unknown
+            self.log.info("request.abort_not_here", request_id=rid)
+            return
+        item = found.item if isinstance(found, Outstanding) else found
+        self._summarize(item, f"aborted:{msg.reason or 'client'}",
+                        rank=found.instance if isinstance(found, Outstanding) else None)
 
     # ---- the block-KV hit -----------------------------------------------------------------
     def _kv_probe(self, msg: GenerateRequest, rid: str) -> int:
@@ -166,6 +175,7 @@ class PrefillRouterService(Service):
             self.decode.release(rid)
             self._fail(held.item, exc)
             return
+        job.dispatched_at = time.time()
         self.log.info("request.dispatched", request_id=rid, rank=held.instance, bucket=held.item.bucket,
                       kv_hit_tokens=held.item.hit_tokens, decode=decode_address or None)
 
@@ -180,6 +190,21 @@ class PrefillRouterService(Service):
         job: Job = item.payload
         self.log.warning("request.failed", request_id=item.request_id, code=error.code.name, error=error.message)
         self._send_quietly(job.request.return_address, error.to_reply(), item.request_id, job.span)
+        self._summarize(item, error.code.name)
+
+    def _summarize(self, item: Queued, outcome: str, **fields) -> None:
+        """The request's one summary line here: queued (until dispatched) and prefill (until it left)."""
+        job: Job = item.payload
+        done = time.time()
+        phases = {"queue_ms": round(((job.dispatched_at or done) - job.received_at) * 1e3, 3)}
+        if job.dispatched_at:
+            phases["prefill_ms"] = round((done - job.dispatched_at) * 1e3, 3)
+        self.log.info("request.summary", request_id=item.request_id, trace_id=job.span.trace_id,
+                      span_id=job.span.span_id, parent_span_id=job.span.parent_span_id or None,
+                      type="GenerateRequest", sender=job.sender, start=job.received_at,
+                      handle_ms=round((done - job.received_at) * 1e3, 3), phases=phases, bucket=item.bucket,
+                      prompt_tokens=item.prompt_tokens, kv_hit_tokens=item.hit_tokens, outcome=outcome,
+                      **{k: v for k, v in fields.items() if v is not None})
 
     def _send_quietly(self, address: str, message, rid: str, span: SpanContext) -> None:
         try:
@@ -200,8 +225,11 @@ class PrefillRouterService(Service):
         dropped = self.core.drop_queued(gone)
         for held in self.core.outstanding_where(gone):
             self.core.cancel(held.request_id)
+            self._summarize(held.item, "gateway_dead")
             self.decode.release(held.request_id)
             self._send_quietly(held.address, AbortRequest("gateway_dead"), held.request_id, held.item.payload.span)
+        for item in dropped:
+            self._summarize(item, "gateway_dead")
         if dropped:
             self.log.warning("requests.dropped", peer=peer.instance, count=len(dropped))
 

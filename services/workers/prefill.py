@@ -63,6 +63,7 @@ class Job:
 
 class PrefillWorker(EngineWorker):
     kind = "prefill_worker"
+    streamed_types = (AbortRequest,)   # the PrefillWork's summary line is the request's one line here
 
     def __init__(self, config):
         super().__init__(config)

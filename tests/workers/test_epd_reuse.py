@@ -3,9 +3,10 @@ is loaded from the KV store by the other one; the SWA registry decides the hit (
 registered, L1 - 128 without it, never beyond L - 134); a conversation that continues with the
 model's own answer hits the blocks the decode worker wrote. Every answer equals the cold run (a
 unified worker without a prefix cache, same greedy request). The stack and its routing rule (prompts
-of at most SPLIT tokens to one prefill worker, longer ones to the other) are in epd_reuse_stack.py;
-which worker prefilled a request comes from its `request.prefilled` log line, the hit and the window
-holder the router chose from its `request.queued` line."""
+of at most SPLIT tokens to one prefill worker, longer ones to the other) are in
+tests/helpers/test_helper_reuse_stack.py; which worker prefilled a request and its hit come from its
+`request.prefilled` log line, the L1 the router routed with from the router's `request.queued` line,
+and who served the window from the holder's summary line of the forwarded SwaFetch."""
 from __future__ import annotations
 
 import random
@@ -14,7 +15,7 @@ import pytest
 import tokenizers
 
 from messages.prefix import BLOCK_TOKENS as BLOCK
-from tests.helpers.test_helper_reuse_stack import (DECODE_WORKER, MODEL, NO_THINKING, SPLIT, Prompts, down,
+from tests.helpers.test_helper_reuse_stack import (DECODE_WORKER, MODEL, NO_THINKING, PREFILL_WORKERS, SPLIT, Prompts, down,
                                                    up)
 
 pytestmark = pytest.mark.slow   # starts service processes
@@ -64,10 +65,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def routed(stack, request_id: str) -> tuple[int, str | None]:
-    """(hit_tokens, swa_holder) the prefill router chose for the request."""
+def probe(stack, request_id: str) -> int:
+    """The hit the prefill router routed the request with: the store's L1, capped at L - 134."""
     [line] = stack.events("prefill_router-0", "request.queued", request_id)
-    return line["hit_tokens"], line.get("swa_holder")
+    return line["kv_hit_tokens"]
+
+
+def window_from(stack, request_id: str) -> str:
+    """The instance that served the request's window state (the SWA registry forwarded the fetch)."""
+    instances = [*(f"prefill_worker-{i}" for i in range(len(PREFILL_WORKERS))), "decode_worker-0"]
+    found = [i for i in instances
+             if any(line.get("type") == "SwaFetch" for line in stack.events(i, "request.summary", request_id))]
+    assert len(found) == 1, f"{request_id}: window served by {found}"
+    return found[0]
 
 
 def address_of(stack, instance: str) -> str:
@@ -103,7 +113,7 @@ def test_a_prefix_prefilled_by_one_worker_is_loaded_from_the_store_by_the_other(
     got = chat(stack, long, "cross-b")
     second, line = stack.prefilled_by("cross-b")
     assert second != first                                     # the other prefill worker ...
-    assert routed(stack, "cross-b") == (l1, address_of(stack, first))   # window there: the hit is L1
+    assert probe(stack, "cross-b") == l1 and window_from(stack, "cross-b") == first   # window there: the hit is L1
     [imported] = stack.events(second, "prefix.imported", "cross-b")
     assert imported["blocks"] == l1 // BLOCK and imported["with_state"]  # ... read the pages from the store
     assert cached(got) == line["hit_tokens"] == l1 >= 896
@@ -122,7 +132,7 @@ def test_without_the_window_at_l1_the_hit_is_one_block_less(stack, prompts):
     got = chat(stack, long, "backoff-b")
     second, _ = stack.prefilled_by("backoff-b")
     assert second != first
-    assert routed(stack, "backoff-b") == (l1 - BLOCK, holder)
+    assert probe(stack, "backoff-b") == l1 and window_from(stack, "backoff-b") == first
     assert cached(got) == l1 - BLOCK
     assert answer(got) == answer(chat(stack, long, "backoff-b-cold", cold=True))
 
@@ -144,7 +154,7 @@ def test_the_hit_never_goes_beyond_l_minus_134(stack, prompts):
 
     got = chat(stack, short, "cap-b")
     assert stack.prefilled_by("cap-b")[0] != first
-    assert routed(stack, "cap-b") == (cap, address_of(stack, first))
+    assert probe(stack, "cap-b") == cap and window_from(stack, "cap-b") == first
     assert cached(got) == cap
     assert answer(got) == answer(chat(stack, short, "cap-b-cold", cold=True))
 
@@ -173,7 +183,7 @@ def test_a_continued_conversation_hits_the_blocks_of_the_answer(stack, prompts, 
 
     got = chat(stack, follow_up, "conv-b")
     assert stack.prefilled_by("conv-b")[0] != stack.prefilled_by("conv-a")[0]
-    assert routed(stack, "conv-b") == (3 * BLOCK, decode)
+    assert probe(stack, "conv-b") == 3 * BLOCK and window_from(stack, "conv-b") == "decode_worker-0"
     assert cached(got) == 3 * BLOCK > len(prompt_ids) // BLOCK * BLOCK
     assert answer(got) == answer(chat(stack, follow_up, "conv-b-cold", cold=True))
 
