@@ -79,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
         print("epd bench gateway: --seconds must be > 0", file=sys.stderr)
         return 2
     from services.gateway.adapter import Protocol
-    from services.gateway.service import DEFAULTS
-    sizes, threads = QUICK_SIZES if args.quick else SIZES, DEFAULTS["tokenize_threads"]
+    from services.gateway.service import GatewaySettings
+    sizes, threads = QUICK_SIZES if args.quick else SIZES, GatewaySettings().tokenize_threads
     load_before = os.getloadavg()
     bench = Bench.load()
     bodies = {name: bench.chat_prompt(tokens) for name, tokens in sizes.items()}

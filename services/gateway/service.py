@@ -24,52 +24,33 @@ from messages.prefix import block_hashes, configured_dtype, model_identity
 from services.gateway.open_requests import OpenRequest
 from services.runtime.context import Context
 from services.runtime.service import Service
+from services.runtime.settings import parse_settings
 from services.runtime.tracing import SpanContext
 
-DEFAULTS = {
-    "http_bind": "127.0.0.1:8000",
-    "model_dir": "",                 # tokenizer.json and config.json of the served model
-    "dtype": "",                     # the workers' dtype (part of the block-hash model identity); "" = the model's
-    "served_model": "deepseek-v4-tiny",
-    "context_length": 0,             # 0 = the model's max_position_embeddings
-    "max_output_tokens": 0,          # 0 = context_length
-    "max_concurrent_requests": 256,  # more in flight answers 429 (OpenAI) / 529 (Anthropic)
-    "max_body_bytes": 32 << 20,
-    "api_keys": [],                  # empty = no authentication; also EPD_API_KEYS (comma separated)
-    "tokenize_threads": 2,
-    "first_chunk_timeout_s": 600.0,  # no token for this long: the request fails (504)
-    "chunk_timeout_s": 120.0,
-}
-
-
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class GatewaySettings:
-    http_bind: str
-    model_dir: str
-    dtype: str
-    served_model: str
-    context_length: int
-    max_output_tokens: int
-    max_concurrent_requests: int
-    max_body_bytes: int
-    api_keys: list
-    tokenize_threads: int
-    first_chunk_timeout_s: float
-    chunk_timeout_s: float
+    http_bind: str = "127.0.0.1:8000"
+    model_dir: str = ""                  # tokenizer.json and config.json of the served model
+    dtype: str = ""                      # the workers' dtype (part of the block-hash model identity); "" = the model's
+    served_model: str = "deepseek-v4-tiny"
+    context_length: int = 0              # 0 = the model's max_position_embeddings
+    max_output_tokens: int = 0           # 0 = context_length
+    max_concurrent_requests: int = 256   # more in flight answers 429 (OpenAI) / 529 (Anthropic)
+    max_body_bytes: int = 32 << 20
+    api_keys: tuple[str, ...] = ()       # empty = no authentication; also EPD_API_KEYS (comma separated)
+    tokenize_threads: int = 2
+    first_chunk_timeout_s: float = 600.0   # no token for this long: the request fails (504)
+    chunk_timeout_s: float = 120.0
 
-    @classmethod
-    def from_settings(cls, settings: dict) -> "GatewaySettings":
-        unknown = set(settings) - set(DEFAULTS)
-        if unknown:
-            raise ValueError(f"unknown gateway settings: {sorted(unknown)}")
-        values = {**DEFAULTS, **settings}
+    def __post_init__(self) -> None:
+        if self.max_concurrent_requests < 1 or self.tokenize_threads < 1:
+            raise ValueError("max_concurrent_requests and tokenize_threads must be >= 1")
+        if not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ValueError("api_keys must be non-empty strings")
         env_keys = os.environ.get("EPD_API_KEYS", "")
         if env_keys:
-            values["api_keys"] = [*values["api_keys"], *(k.strip() for k in env_keys.split(",") if k.strip())]
-        out = cls(**values)
-        if out.max_concurrent_requests < 1 or out.tokenize_threads < 1:
-            raise ValueError("max_concurrent_requests and tokenize_threads must be >= 1")
-        return out
+            keys = (*self.api_keys, *(k.strip() for k in env_keys.split(",") if k.strip()))
+            object.__setattr__(self, "api_keys", keys)
 
 
 class GatewayService(Service):
@@ -78,7 +59,7 @@ class GatewayService(Service):
 
     def __init__(self, config):
         super().__init__(config)
-        self.settings = GatewaySettings.from_settings(config.settings)
+        self.settings = parse_settings(GatewaySettings, config.settings, self.kind)
         self.pending: dict[str, OpenRequest] = {}   # request id -> what its HTTP handler waits on
         self.adapter = None
         self.model_id = ""   # covered by every block hash; equal to the workers' engine model_id

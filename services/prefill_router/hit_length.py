@@ -1,15 +1,14 @@
 """How much of a prompt a prefill worker loads instead of computing (SYSTEM.md, Numbers: hit length).
 
-L1 is the block-KV hit from the KV writer's index (a multiple of 128). The sliding-window state
+L1 is the block-KV hit from the KV store's index (a multiple of 128). The sliding-window state
 is needed at the boundary where prefill resumes, so:
   1. the usable boundary is min(L1, cap), cap = L - 134 rounded down to a block boundary
-     (128 SWA window + 6 tokens of speculative rollback slack), and never below 0;
-  2. if the SWA registry holds the window [probe - 128, probe] at that boundary (the "probe"),
-     the hit is the probe; otherwise the worker backs off one block and recomputes it
-     (bounded replay needs no earlier window): hit = probe - 128.
-The SWA lookup therefore asks for the hash of the block ending at the probe, which is L1 itself
-unless the cap cut L1 down, and (the shell) for the one a block before it: until bounded replay
-exists, a worker needs the window at wherever it starts, so the router names its holder too.
+     (128 SWA window + 6 tokens of speculative rollback slack), and never below 0: the "probe",
+     which the prefill router routes with (swa_probe);
+  2. if the window [probe - 128, probe] is found (the prefill worker's own, or a holder's through
+     the SWA registry), the hit is the probe; otherwise the worker backs off one block:
+     hit = probe - 128 (services/workers/prefix_load.py). Until bounded replay exists, a worker
+     needs the window there too, so it asks for both boundaries in its one fetch.
 All functions are pure; bad input raises ValueError.
 """
 from __future__ import annotations
@@ -43,10 +42,3 @@ def hit_length(prompt_len: int, kv_hit_tokens: int, swa_at_probe: bool) -> int:
     if probe == 0 or swa_at_probe:
         return probe
     return probe - BLOCK_TOKENS
-
-
-def probe_hash_index(probe: int) -> int:
-    """Index in the request's block hash chain of the hash that names the prefix ending at `probe`."""
-    if probe <= 0 or probe % BLOCK_TOKENS:
-        raise ValueError(f"probe {probe} is not a positive block boundary")
-    return probe // BLOCK_TOKENS - 1

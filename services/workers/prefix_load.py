@@ -17,7 +17,7 @@ from messages.errors import WireError
 from messages.handoff import BufferRole, KVSnapshot, SwaFetch
 from messages.kv_store import KvReadPages
 from messages.prefix import BLOCK_TOKENS
-from services.prefill_router.hit_length import hit_cap
+from services.prefill_router.hit_length import hit_cap, hit_length
 from services.runtime.tracing import SpanContext
 from services.workers.tensors import torch_frame, torch_view
 
@@ -58,7 +58,8 @@ class PrefixLoader:
         wanted = [b for b in (probe, probe - BLOCK_TOKENS) if b > local]
         pages, state = await asyncio.gather(self._read_pages(hashes, rid, span),
                                             self._fetch_window([hashes[b // BLOCK_TOKENS - 1] for b in wanted], rid, span))
-        upto = blocks if state is None else hashes.index(state[0].block_hashes[0]) + 1
+        at_probe = state is not None and state[0].block_hashes[0] == hashes[-1]
+        upto = hit_length(len(request.prompt_ids), probe, at_probe) // BLOCK_TOKENS   # seeds: L1, else L1 - 128
         pages = pages[:upto]
         if not pages:
             return local

@@ -10,14 +10,14 @@ the pure StreamTable (streams.py); this class only sends and logs.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 
 from messages.common import FinishReason
-from messages.control import Load, StatusQuery
-from messages.errors import ErrorCode, WireError
+from messages.control import Load
+from messages.errors import WireError
 from messages.generate import AbortRequest, GenerateChunk
 from services.runtime.context import Context
+from services.runtime import liveness
 from services.runtime.membership import Peer
 from services.workers.chunks import fail_streams
 from services.workers.engine_worker import EngineWorker
@@ -34,7 +34,7 @@ class StreamingWorker(EngineWorker):
 
     async def on_start(self) -> None:
         await super().on_start()
-        self.start_loop(self._watch_gateways())
+        self.start_loop(liveness.watch(self, self.streams.addresses, self._gateway_dead))
 
     def in_flight(self) -> int:
         return super().in_flight() + len(self.streams)
@@ -107,33 +107,13 @@ class StreamingWorker(EngineWorker):
         super().on_peer_dead(peer)
         self._gateway_gone(peer.address)
 
+    def _gateway_dead(self, address: str) -> None:
+        self._gateway_gone(address)
+        self.drop_link(address)
+
     def _gateway_gone(self, address: str) -> None:
         orphans = self.streams.held_for(address)
         if orphans:
             self.log.warning("gateway.dead", address=address, requests=len(orphans))
         for request_id in orphans:
             self.finish_locally(request_id, "gateway_dead")
-
-    async def _watch_gateways(self) -> None:
-        """Free the requests of gateways that stopped answering (nobody would read their tokens)."""
-        period = max(self.config.dead_after_s, 0.05)
-        while True:
-            await asyncio.sleep(period)
-            addresses = list(self.streams.addresses())
-            if not addresses:
-                continue
-            try:
-                results = await asyncio.gather(*(self._probe(a, period) for a in addresses))
-                for address, alive in zip(addresses, results):
-                    if not alive:
-                        self._gateway_gone(address)
-                        self.drop_link(address)
-            except Exception:   # a bug here must not end the watch for good
-                self.log.exception("gateway_watch.failed")
-
-    async def _probe(self, address: str, timeout: float) -> bool:
-        try:
-            await self.call(address, StatusQuery(), timeout=timeout)
-            return True
-        except WireError as exc:
-            return exc.code not in (ErrorCode.TIMEOUT, ErrorCode.PEER_DEAD)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.prefill_router.hit_length import (BLOCK_TOKENS, hit_cap, hit_length, probe_hash_index,
+from services.prefill_router.hit_length import (BLOCK_TOKENS, hit_cap, hit_length,
                                                 swa_probe)
 
 
@@ -61,13 +61,6 @@ def test_the_swa_probe_is_l1_unless_the_cap_cuts_it():
     assert swa_probe(10_000, 1280) == 1280
     assert swa_probe(1000, 1280) == 768
     assert swa_probe(1000, 0) == 0
-
-
-def test_probe_hash_index_names_the_block_ending_at_the_probe():
-    assert probe_hash_index(128) == 0 and probe_hash_index(1280) == 9
-    for bad in (0, -128, 100):
-        with pytest.raises(ValueError):
-            probe_hash_index(bad)
 
 
 def test_negative_lengths_are_refused():
