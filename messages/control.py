@@ -88,6 +88,7 @@ class StatusReply(Message):
     peers: list[PeerStatus] = []
     upstream: str = ""
     upstream_connected: bool = False
+    incarnation: str = ""   # random per process: a restart at the same address answers with another
 
 
 @register(0x0107)

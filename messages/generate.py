@@ -34,6 +34,7 @@ class GenerateChunk(Message):
     error: str = ""
     worker: str = ""                       # address of the worker streaming the request (its first chunk):
                                            # the gateway aborts there and watches it for death
+    worker_incarnation: str = ""           # that worker process's id: a restart at the same address differs
 
 
 @register(0x0203)

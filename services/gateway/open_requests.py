@@ -55,9 +55,10 @@ class OpenRequest:
     span: SpanContext
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # chunks, ErrorReply, GatewayError
     worker: str = ""              # the streaming worker's address, once a chunk names it
+    worker_incarnation: str = ""  # ... and which process it is (a restart there is another)
     stats: ChunkStats = field(default_factory=ChunkStats)
 
 
-def streaming_workers(requests: dict[str, OpenRequest]) -> list[str]:
-    """The distinct addresses of the workers streaming open requests."""
-    return sorted({r.worker for r in requests.values() if r.worker})
+def streaming_workers(requests: dict[str, OpenRequest]) -> list[tuple[str, str]]:
+    """The distinct (address, incarnation) of the workers streaming open requests."""
+    return sorted({(r.worker, r.worker_incarnation) for r in requests.values() if r.worker})

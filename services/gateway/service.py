@@ -128,7 +128,7 @@ class GatewayService(Service):
             return
         request.stats.add(ctx.received_at, len(msg.token_ids))
         if msg.worker:
-            request.worker = msg.worker
+            request.worker, request.worker_incarnation = msg.worker, msg.worker_incarnation
         request.queue.put_nowait(msg)
 
     async def _on_error(self, msg: ErrorReply, ctx: Context) -> None:

@@ -12,15 +12,16 @@ from services.runtime import liveness
 
 
 async def watch_workers(svc) -> None:
-    await liveness.watch(svc, lambda: streaming_workers(svc.pending), lambda address: worker_died(svc, address))
+    await liveness.watch(svc, lambda: streaming_workers(svc.pending), lambda *dead: worker_died(svc, *dead))
 
 
-def worker_died(svc, address: str) -> None:
-    """Fail every open request that `address` streams; forget the link to it."""
-    held = [r for r in svc.pending.values() if r.worker == address]
-    svc.log.warning("worker.dead", worker=address, requests=len(held))
+def worker_died(svc, address: str, incarnation: str = "", answered: bool = False) -> None:
+    """Fail every open request that process streams; forget the link to an address nobody answers."""
+    held = [r for r in svc.pending.values() if r.worker == address and r.worker_incarnation == incarnation]
+    svc.log.warning("worker.dead", worker=address, incarnation=incarnation or None, restarted=answered,
+                    requests=len(held))
     for request in held:   # each request's summary line says outcome=worker_died
         request.queue.put_nowait(GatewayError(
             502, API_ERROR, f"the worker streaming this request ({address}) died", code="worker_died"))
-    if address != svc.config.upstream:   # the upstream link reconnects on its own
+    if not answered and address != svc.config.upstream:   # the upstream link reconnects on its own
         svc.drop_link(address)

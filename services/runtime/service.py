@@ -30,7 +30,7 @@ import zmq
 from messages import Codec, Envelope, ErrorReply, Message, WireError
 from messages.control import (Drain, Echo, EchoReply, Heartbeat, HeartbeatAck, Load, Register,
                               Registered, ServiceState, StatusQuery, StatusReply)
-from messages.envelope import new_msg_id
+from messages.envelope import new_msg_id, random_hex
 from messages.errors import Draining, ErrorCode, Overloaded, PeerDead, RequestTimeout, UnexpectedMessage
 from services.runtime.calls import PendingCalls
 from services.runtime.config import ServiceConfig
@@ -61,6 +61,7 @@ class Service:
         self.dispatched = DispatchTracker()
         self.state = ServiceState.STARTING
         self.started_at = time.time()
+        self.incarnation = random_hex(64)   # this process, as StatusReply tells peers
         self.inbox: Inbox | None = None
         self.upstream: UpstreamLink | None = None
         self._handlers: dict[type, Handler] = {
@@ -369,7 +370,7 @@ class Service:
             kind=self.kind, instance=self.config.instance, state=int(self.state), pid=os.getpid(),
             uptime_s=round(time.time() - self.started_at, 3), load=self.load(),
             peers=self.members.status(time.monotonic()), upstream=self.config.upstream,
-            upstream_connected=bool(self.upstream and self.upstream.connected))
+            upstream_connected=bool(self.upstream and self.upstream.connected), incarnation=self.incarnation)
 
     async def _on_drain(self, msg: Drain, ctx: Context) -> StatusReply:
         self.begin_drain(msg.grace_s)

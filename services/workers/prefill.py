@@ -145,7 +145,7 @@ class PrefillWorker(EngineWorker):
 
     def _last_chunk(self, out):
         chunk = chunk_from(out, len(out.new_token_ids))
-        chunk.worker = self.config.advertise
+        chunk.worker, chunk.worker_incarnation = self.config.advertise, self.incarnation
         return chunk
 
     async def _advertise_prompt_states(self, request, rid: str, span: SpanContext) -> None:

@@ -27,14 +27,14 @@ from services.workers.streams import Stream, StreamTable, summary_fields
 class StreamingWorker(EngineWorker):
     def __init__(self, config):
         super().__init__(config)
-        self.streams = StreamTable(self.config.advertise)
+        self.streams = StreamTable(self.config.advertise, incarnation=self.incarnation)
 
     def stream_handlers(self):
         return {**self.base_handlers(), AbortRequest: self._on_abort}
 
     async def on_start(self) -> None:
         await super().on_start()
-        self.start_loop(liveness.watch(self, self.streams.addresses, self._gateway_dead))
+        self.start_loop(liveness.watch(self, lambda: [(a, "") for a in self.streams.addresses()], self._gateway_dead))
 
     def in_flight(self) -> int:
         return super().in_flight() + len(self.streams)
@@ -107,7 +107,7 @@ class StreamingWorker(EngineWorker):
         super().on_peer_dead(peer)
         self._gateway_gone(peer.address)
 
-    def _gateway_dead(self, address: str) -> None:
+    def _gateway_dead(self, address: str, _incarnation: str, _answered: bool) -> None:
         self._gateway_gone(address)
         self.drop_link(address)
 

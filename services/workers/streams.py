@@ -47,8 +47,9 @@ class Delivery:
 
 
 class StreamTable:
-    def __init__(self, worker_address: str, block_tokens: int = BLOCK_TOKENS):
+    def __init__(self, worker_address: str, block_tokens: int = BLOCK_TOKENS, incarnation: str = ""):
         self.worker_address = worker_address
+        self.incarnation = incarnation
         self.block_tokens = block_tokens
         self._streams: dict[str, Stream] = {}
 
@@ -107,7 +108,7 @@ class StreamTable:
     def _announce(self, stream: Stream, chunk: GenerateChunk) -> GenerateChunk:
         if not stream.announced:
             stream.announced = True
-            chunk.worker = self.worker_address
+            chunk.worker, chunk.worker_incarnation = self.worker_address, self.incarnation
         return chunk
 
     def held_for(self, address: str) -> list[str]:

@@ -145,3 +145,23 @@ async def test_a_dead_worker_fails_a_whole_answer_with_502_in_each_protocols_sha
     assert anthropic["type"] == "error" and anthropic["error"]["type"] == "api_error"
     assert "died" in anthropic["error"]["message"]
     assert gateway.pending == {}
+
+
+async def test_a_worker_restarted_at_the_same_address_fails_the_streams_its_old_process_held(make_stack, tmp_path):
+    gateway, _, worker, http, _ = await make_stack(chunks=1, finish=False)
+    async with http.post("/v1/chat/completions", json={**BODY, "stream": True},
+                         headers={"x-request-id": "req-restart"}) as r:
+        assert r.status == 200
+        await eventually(lambda: gateway.pending["req-restart"].worker, what="the gateway to learn the worker")
+        worker.stop()
+        started: list = []
+        again = await start(TestHelperStreamingWorker, tmp_path, "worker", started)   # same address, new process
+        try:
+            assert again.config.advertise == worker.config.advertise and again.incarnation != worker.incarnation
+            text = (await asyncio.wait_for(r.read(), 10)).decode()   # it answers status queries: not enough
+        finally:
+            again.stop()
+            assert await started[0][1] == 0
+    error = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")][-1]["error"]
+    assert error["code"] == "worker_died"
+    assert gateway.pending == {}

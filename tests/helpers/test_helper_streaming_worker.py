@@ -47,7 +47,8 @@ class TestHelperStreamingWorker(Service):
 
     async def _stream(self, msg: GenerateRequest, ctx) -> None:
         count = int(self.config.settings.get("chunks", 1))
-        chunks = [GenerateChunk([TOKEN], worker=self.config.advertise if i == 0 else "") for i in range(count)]
+        chunks = [GenerateChunk([TOKEN], worker=self.config.advertise if i == 0 else "",
+                                worker_incarnation=self.incarnation if i == 0 else "") for i in range(count)]
         if self.config.settings.get("finish", True):
             chunks.append(GenerateChunk([], int(FinishReason.STOP), usage=Usage(len(msg.prompt_ids), 0, count)))
         for chunk in chunks:
