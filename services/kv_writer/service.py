@@ -21,7 +21,6 @@ max_read_bytes.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from messages.kv_store import KvLookup, KvLookupReply, KvPages, KvReadPages, KvW
 from services.runtime.config import ServiceConfig
 from services.runtime.context import Context
 from services.runtime.service import Handler, Service
-from services.runtime.settings import flat_field, parse_settings
+from services.runtime.settings import flat_field, parse_settings, require_positive
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,8 +48,7 @@ class KvWriterSettings:
     max_read_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.gc_interval_s) and self.gc_interval_s > 0):
-            raise ValueError("gc_interval_s must be a positive finite number")
+        require_positive(self, "gc_interval_s")
         if min(self.read_threads, self.max_blocks_per_message, self.max_pending_bytes, self.max_read_bytes) < 1:
             raise ValueError("read_threads, max_blocks_per_message, max_pending_bytes, max_read_bytes must be >= 1")
 

@@ -13,11 +13,10 @@ tokens).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from services.prefill_router.core import RouterPolicy
-from services.runtime.settings import flat_field
+from services.runtime.settings import flat_field, require_positive
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,10 +31,7 @@ class PrefillRouterSettings:
     max_lookup_blocks: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("pump_interval_s", "decode_table_interval_s", "decode_table_stale_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive finite number")
+        require_positive(self, "pump_interval_s", "decode_table_interval_s", "decode_table_stale_s")
         if self.max_lookup_blocks < 1:
             raise ValueError("max_lookup_blocks must be >= 1")
         if not self.worker_kind:

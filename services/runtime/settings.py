@@ -82,3 +82,11 @@ def _typed(value: Any, hint: Any, service: str, key: str) -> Any:
     if typing.get_origin(hint) is tuple and isinstance(value, list):
         return tuple(value)
     return value
+
+
+def require_positive(settings, *names: str) -> None:
+    """For a settings dataclass's __post_init__: each named field is a positive finite number."""
+    for name in names:
+        value = getattr(settings, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")

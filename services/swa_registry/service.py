@@ -15,7 +15,6 @@ before yielding to the event loop).
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -27,7 +26,7 @@ from services.runtime.config import ServiceConfig
 from services.runtime.context import Context
 from services.runtime.membership import Peer
 from services.runtime.service import Handler, Service
-from services.runtime.settings import flat_field, parse_settings
+from services.runtime.settings import flat_field, parse_settings, require_positive
 from services.swa_registry.core import RegistryLimits, SwaRegistry
 
 
@@ -38,8 +37,7 @@ class SwaRegistrySettings:
     expire_batch: int = 2_000     # ~10 ms of work between yields
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.expire_interval_s) and self.expire_interval_s > 0):
-            raise ValueError("expire_interval_s must be a positive finite number")
+        require_positive(self, "expire_interval_s")
         if self.expire_batch < 1:
             raise ValueError("expire_batch must be >= 1")
 

@@ -14,7 +14,6 @@ Settings (ServiceConfig.settings): every EngineConfig field (model_dir, dtype, n
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ from messages.handoff import KV_LAYOUT_VERSION, SwaFetch, SwaState
 from messages.errors import WireError
 from services.runtime.context import Context
 from services.runtime.service import Service
-from services.runtime.settings import flat_keys, parse_settings
+from services.runtime.settings import flat_keys, parse_settings, require_positive
 from services.workers.engine_thread import EngineThread
 from services.workers.persist import BlockPersister
 from services.workers.tensors import to_frame
@@ -46,9 +45,7 @@ class WorkerSettings:
     capacity: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("swa_ttl_s", "handoff_timeout_s", "fetch_timeout_s"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"{name} must be a positive finite number")
+        require_positive(self, "swa_ttl_s", "handoff_timeout_s", "fetch_timeout_s")
         if self.capacity < 0:
             raise ValueError("capacity must be >= 0")
 
