@@ -15,6 +15,7 @@ import msgspec
 
 from messages.common import TopLogprob
 from messages.generate import GenerateRequest
+from messages.prefix import BLOCK_TOKENS
 from messages.registry import Message, register
 
 KV_LAYOUT_VERSION = 1
@@ -29,7 +30,7 @@ class BufferRole(IntEnum):
 class KVSnapshot(msgspec.Struct, array_like=True, gc=False):
     model_id: str = ""               # engine model identity (also keys the hash chain)
     layout_version: int = KV_LAYOUT_VERSION
-    block_size: int = 128
+    block_size: int = BLOCK_TOKENS
     num_tokens: int = 0              # tokens whose state the buffers hold
     block_hashes: list[bytes] = []   # chain hash of each full block of those tokens
     roles: list[int] = []            # BufferRole of each buffer, in buffer order

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.config import CSA, ModelConfig
+from messages.prefix import BLOCK_TOKENS
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +32,7 @@ class PageLayout:
     page_numel: int
 
     @classmethod
-    def from_config(cls, config: ModelConfig, block_size: int = 128) -> "PageLayout":
+    def from_config(cls, config: ModelConfig, block_size: int = BLOCK_TOKENS) -> "PageLayout":
         slices, offset = [], 0
         for layer in range(config.num_layers):
             ratio = config.compress_ratio(layer)

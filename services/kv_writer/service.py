@@ -2,8 +2,9 @@
 
 Decode workers send KvWritePages (block hashes + one buffer frame per page): a one-way notification,
 answered only when it fails (ErrorReply) or when the sender asks for an acknowledgement (`ack=True`
--> KvWriteAck(written, skipped)); a worker persisting blocks does not wait on the store. Routers
-send KvLookup, answered with KvLookupReply(hit_blocks, locations). Workers that want pages through
+-> KvWriteAck(written, skipped)); a worker persisting blocks does not wait on the store. Tools
+send KvLookup, answered with KvLookupReply(hit_blocks, locations) (the prefill router reads the index
+itself with kvstore.StoreReader). Workers that want pages through
 the service send KvReadPages, answered with KvPages(found, page_frames) and the pages as buffer
 frames (prefill workers normally read the files directly with kvstore.StoreReader).
 

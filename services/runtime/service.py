@@ -1,9 +1,8 @@
 """Service: the asyncio shell around a service's logic.
 
-A subclass declares `handlers()` (message type -> async method) once; the shell owns the rest:
-sockets, decoding, a bounded inbound queue, dispatch, replies, request/reply calls to peers
-(calls.py), membership of the peers that register with it, the link to its own upstream, lifecycle
-(STARTING -> RUNNING -> DRAINING -> STOPPED) and the per-request summary log line.
+A subclass declares `handlers()` (message type -> async method) once; the shell owns the rest: sockets,
+decoding, a bounded inbound queue, dispatch, replies, calls to peers (calls.py), membership of the peers
+that register with it, its upstream link, lifecycle (STARTING -> RUNNING -> DRAINING -> STOPPED), summaries.
 
 Dispatch: an accepted request starts at once while fewer than `concurrency` handlers run, else it
 waits in the bounded backlog (`queue_size`; beyond it the sender gets OVERLOADED) and starts when a
