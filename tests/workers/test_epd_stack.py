@@ -88,3 +88,13 @@ def test_the_decode_worker_persists_blocks_and_the_workers_report_load(epd_stack
     store = epd_stack["root"] / ".epd" / "kvstore" / "segments"
     assert store.is_dir() and any(p.stat().st_size > 0 for p in store.iterdir())
 
+
+
+def test_only_the_workers_load_torch(epd_stack):
+    chat(client(epd_stack), "Say something.", max_tokens=4)   # every service has handled a request
+    loaded = {}
+    for service in epd_stack["state"]["services"]:
+        with open(f"/proc/{service['pid']}/maps") as maps:
+            loaded[service["kind"]] = "libtorch" in maps.read()
+    assert loaded == {"gateway": False, "prefill_router": False, "prefill_worker": True, "decode_router": False,
+                      "decode_worker": True, "kv_writer": False, "swa_registry": False}
