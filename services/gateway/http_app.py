@@ -117,6 +117,7 @@ class GatewayHttp:
             first = await self._next(tracked.queue, svc.settings.first_chunk_timeout_s, protocol)
             if isinstance(first, GatewayError):
                 outcome = first.code or "error"
+                svc.abort(request_id, outcome)   # wherever it still waits or runs: free it there
                 return _error_response(protocol, first)
             if prepared.stream:
                 http = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -126,6 +127,7 @@ class GatewayHttp:
             while True:
                 if isinstance(item, GatewayError):   # failed mid-way: end in the protocol's shape
                     outcome = item.code or "error"
+                    svc.abort(request_id, outcome)
                     frames = response.fail(item)
                 else:
                     frames = response.push(item.token_ids, item.finish_reason or None, item.usage, _logprobs(item))
