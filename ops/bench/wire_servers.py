@@ -1,0 +1,95 @@
+"""The echo servers of `epd bench wire`, as child processes (`python -m ops.bench.wire_servers
+PARENT_PID ...`): the runtime's own echo service, or a raw blocking pyzmq ROUTER echo. Children
+starts them and stops them all when the bench ends; each dies with the bench (PR_SET_PDEATHSIG)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HWM = 1000   # the runtime's default high-water mark, on every socket of the bench
+
+
+class Children:
+    """Echo servers started by this bench; all stopped on exit."""
+
+    def __init__(self, logdir: Path):
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "Children":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in list(self.procs):
+            self.stop(proc)
+
+    def start(self, name: str, argv: list[str], timeout_s: float = 60.0) -> subprocess.Popen:
+        log_path = self.logdir / f"{name}.log"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "ops.bench.wire_servers", str(os.getpid()), *argv],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
+        self.procs.append(proc)
+        deadline = time.monotonic() + timeout_s
+        while b"service.ready" not in log_path.read_bytes():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                self.stop(proc)
+                tail = log_path.read_bytes()[-2000:].decode(errors="replace")
+                raise RuntimeError(f"echo server {name} did not start:\n{tail}")
+            time.sleep(0.02)
+        return proc
+
+    def stop(self, proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.remove(proc)
+
+
+def serve(argv: list[str]) -> int:
+    """`PARENT_PID raw ADDRESS copy|zerocopy` or `PARENT_PID runtime ADDRESS`."""
+    parent, kind, address, *rest = argv
+    _die_with(int(parent))
+    if kind == "runtime":   # exactly `python -m services.runtime.main echo` (uvloop, the default config)
+        from services.runtime.main import main
+        return main(["echo", "--instance", f"bench-echo-{os.getpid()}", "--bind", address])
+    return raw_echo(address, copy=rest == ["copy"])
+
+
+def raw_echo(address: str, copy: bool) -> int:
+    """ROUTER echo in a plain blocking loop: every message goes back as it came."""
+    import zmq
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    for opt, value in ((zmq.SNDHWM, HWM), (zmq.RCVHWM, HWM), (zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1)):
+        sock.setsockopt(opt, value)
+    sock.bind(address)
+    print("service.ready", flush=True)
+    while True:
+        sock.send_multipart(sock.recv_multipart(copy=copy), copy=copy)
+
+
+def _die_with(parent_pid: int) -> None:
+    """Linux: SIGKILL this process when the bench that started it dies, so no server outlives it."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4:
+        sys.exit("usage: python -m ops.bench.wire_servers PARENT_PID (raw ADDRESS copy|zerocopy | runtime ADDRESS)")
+    sys.exit(serve(sys.argv[1:]))
