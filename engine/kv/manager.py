@@ -88,6 +88,8 @@ class KVCache:
                 self.boundaries.put(seq.block_hashes[hit.tokens // self.block_size - 1], saved)
         if hit.boundary is not None:
             state.load(hit.boundary)
+        context = self.config.engram_context  # ids the next token's n-grams look back at (V4.1)
+        state.recent_ids = list(seq.token_ids[max(0, hit.tokens - context) : hit.tokens]) if context else []
         seq.state, seq.num_computed, seq.restored = state, hit.tokens, None
         seq.num_registered_blocks = len(hit.pages)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.config import CSA, ModelConfig
+from engine.model.config import ModelConfig
 from messages.prefix import BLOCK_TOKENS
 
 
@@ -44,7 +44,7 @@ class PageLayout:
             rows = block_size // ratio
             entries_at, offset = offset, offset + rows * config.head_dim
             index_at = -1
-            if config.layer_types[layer] == CSA:
+            if config.owns_index_keys(layer):
                 index_at, offset = offset, offset + rows * config.index_head_dim
             slices.append(LayerSlice(entries_at, rows, index_at))
         return cls(block_size, config.head_dim, config.index_head_dim, tuple(slices), offset)

@@ -20,6 +20,7 @@ class PagedState:
     def __init__(self, config: ModelConfig, pool: PagePool, slots: SwaSlots, rings: TailRings, slot: int):
         self.config, self.pool, self.slots, self.rings, self.slot = config, pool, slots, rings, slot
         self.num_tokens = 0
+        self.recent_ids: list[int] = []  # the last `config.engram_context` token ids (V4.1's Engram looks back)
         self.page_table: list[int] = []
         self.captured: dict[int, list] = {}  # boundary -> per layer (window, tail, index tail) copies
         self._page_index = torch.empty(0, dtype=torch.long, device=pool.pages.device)

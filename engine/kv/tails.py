@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.config import CSA, ModelConfig
+from engine.model.config import ModelConfig
 from engine.model.state import PoolerTail, empty_tail
 
 Tails = list[tuple[PoolerTail | None, PoolerTail | None]]  # per layer: (compressor tail, indexer tail)
@@ -25,13 +25,13 @@ def tail_shapes(config: ModelConfig, num_tokens: int) -> list[tuple[int, int, in
         ratio = config.compress_ratio(layer)
         if ratio:
             shapes.append((layer, ratio, config.head_dim, False))
-        if config.layer_types[layer] == CSA:
+        if config.has_index_tail(layer):
             shapes.append((layer, ratio, config.index_head_dim, True))
     return shapes
 
 
 def _parts(config: ModelConfig, layer: int, ratio: int, dim: int, num_tokens: int) -> list[tuple[int, int]]:
-    overlap = config.layer_types[layer] == CSA
+    overlap = config.overlapping_tail(layer)
     width, pending = (2 * dim if overlap else dim), num_tokens % ratio
     parts = [(pending, width), (pending, width)]
     if overlap and num_tokens >= ratio:
@@ -73,7 +73,7 @@ def unpack_tails(flat: torch.Tensor, config: ModelConfig, num_tokens: int, devic
                 raise ValueError(f"tail buffer of {flat.numel()} elements is too short for {num_tokens} tokens")
             tensors.append(flat[offset : offset + size].view(rows, width).to(device=device, dtype=dtype, copy=True))
             offset += size
-        overlap = config.layer_types[layer] == CSA
+        overlap = config.overlapping_tail(layer)
         tail = empty_tail(dim, overlap, device, dtype)
         tail.pending_kv, tail.pending_gate = tensors[0], tensors[1]
         if len(tensors) == 4:
@@ -105,7 +105,7 @@ class TailRings:
         self.gate: dict[tuple[int, bool], torch.Tensor] = {}
         self.shape: dict[tuple[int, bool], tuple[int, int, bool]] = {}  # -> (ratio, head_dim, overlap)
         for layer, ratio, dim, is_indexer in tail_shapes(config, 0):
-            overlap = config.layer_types[layer] == CSA
+            overlap = config.overlapping_tail(layer)
             span, width = (2 * ratio, 2 * dim) if overlap else (ratio, dim)
             key = (layer, is_indexer)
             self.kv[key] = torch.zeros(num_slots + 1, span, width, device=device, dtype=dtype)  # + SwaSlots.scratch

@@ -100,6 +100,23 @@ class ModelConfig:
         layer_type = self.layer_types[layer]
         return 0 if layer_type == SLIDING else int(self.compress_rates[layer_type])
 
+    # ---- what the KV cache holds per layer (V41Config answers the same questions)
+    def owns_index_keys(self, layer: int) -> bool:
+        return self.layer_types[layer] == CSA
+
+    def overlapping_tail(self, layer: int) -> bool:
+        """CSA pools overlapping windows: its tails keep the first half of the last full window."""
+        return self.layer_types[layer] == CSA
+
+    def has_index_tail(self, layer: int) -> bool:
+        """The CSA indexer pools its own keys, so it keeps a tail of its own."""
+        return self.layer_types[layer] == CSA
+
+    @property
+    def engram_context(self) -> int:
+        """V4 has no Engram: no earlier token ids are needed to continue a sequence."""
+        return 0
+
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
         return _parse(raw)

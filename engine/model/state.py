@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from engine.model.config import CSA, SLIDING, ModelConfig
+from engine.model.config import ModelConfig
 
 
 @dataclass(slots=True)
@@ -93,6 +93,7 @@ class SequenceState:
     num_tokens: int
     layers: list[LayerState]
     window_size: int = 128
+    recent_ids: list[int] = field(default_factory=list)  # the last `config.engram_context` token ids (V4.1)
 
     @classmethod
     def empty(cls, config: ModelConfig, device=None, dtype: torch.dtype = torch.float32) -> "SequenceState":
@@ -100,7 +101,8 @@ class SequenceState:
         return cls(num_tokens=0, layers=layers, window_size=config.sliding_window)
 
     def clone(self) -> "SequenceState":
-        return SequenceState(self.num_tokens, [layer.clone() for layer in self.layers], self.window_size)
+        layers = [layer.clone() for layer in self.layers]
+        return SequenceState(self.num_tokens, layers, self.window_size, list(self.recent_ids))
 
     def window(self, layer: int, position: int) -> torch.Tensor:
         return self.layers[layer].window
@@ -152,6 +154,7 @@ class StateParts:
     windows: list[torch.Tensor]
     tails: list[PoolerTail | None] = field(default_factory=list)
     index_tails: list[PoolerTail | None] = field(default_factory=list)
+    recent_ids: list[int] = field(default_factory=list)
 
 
 def split_state(state: SequenceState, config: ModelConfig, block_size: int = 128) -> StateParts:
@@ -179,6 +182,7 @@ def split_state(state: SequenceState, config: ModelConfig, block_size: int = 128
         windows=[layer.window.clone() for layer in state.layers],
         tails=[None if layer.tail is None else layer.tail.clone() for layer in state.layers],
         index_tails=[None if layer.index_tail is None else layer.index_tail.clone() for layer in state.layers],
+        recent_ids=list(state.recent_ids),
     )
 
 
@@ -190,15 +194,16 @@ def join_state(parts: StateParts, config: ModelConfig) -> SequenceState:
         if config.compress_ratio(i):
             layer.entries = torch.cat([block.entries[i] for block in parts.blocks])
             layer.tail = parts.tails[i].clone()
-        if config.layer_types[i] == CSA:
+        if config.owns_index_keys(i):
             layer.index_keys = torch.cat([block.index_keys[i] for block in parts.blocks])
+        if config.has_index_tail(i):
             layer.index_tail = parts.index_tails[i].clone()
         layers.append(layer)
     expected = [config.compress_ratio(i) and parts.num_tokens // config.compress_ratio(i) for i in range(len(layers))]
     for i, (layer, count) in enumerate(zip(layers, expected)):
         if layer.entries is not None and layer.entries.shape[0] != count:
             raise ValueError(f"layer {i}: {layer.entries.shape[0]} entries for {parts.num_tokens} tokens")
-    return SequenceState(parts.num_tokens, layers, config.sliding_window)
+    return SequenceState(parts.num_tokens, layers, config.sliding_window, list(parts.recent_ids))
 
 
 def state_nbytes(state: SequenceState) -> dict[str, int]:
@@ -215,15 +220,16 @@ def state_nbytes(state: SequenceState) -> dict[str, int]:
 
 def _empty_layer(config: ModelConfig, layer: int, device, dtype) -> LayerState:
     window = torch.empty(0, config.head_dim, device=device, dtype=dtype)
-    if config.layer_types[layer] == SLIDING:
+    if config.compress_ratio(layer) == 0:
         return LayerState(window=window)
     state = LayerState(
         window=window,
         entries=torch.empty(0, config.head_dim, device=device, dtype=dtype),
-        tail=empty_tail(config.head_dim, config.layer_types[layer] == CSA, device, dtype),
+        tail=empty_tail(config.head_dim, config.overlapping_tail(layer), device, dtype),
     )
-    if config.layer_types[layer] == CSA:
+    if config.owns_index_keys(layer):
         state.index_keys = torch.empty(0, config.index_head_dim, device=device, dtype=dtype)
+    if config.has_index_tail(layer):
         state.index_tail = empty_tail(config.index_head_dim, True, device, dtype)
     return state
 
