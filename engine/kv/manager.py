@@ -6,6 +6,11 @@ The scheduler asks it `can_admit / admit`, `can_append / append`, `release`; aft
 Prefix hits: a waiting sequence reuses the longest chain of cached pages matching its block
 hashes, cut back to the last boundary whose window + tails are saved in the boundary cache (see
 swa.py), and never the whole prompt (the last prompt token is always computed, for its logits).
+
+Bounded replay (V4.1; seed 003, vLLM's `swa_bounded_replay`): when the pages reach further than
+any saved window, the sequence takes all the pages and recomputes the last block's 128 tokens to
+rebuild the window, each token's window clamped at the replay start; the cached compressed pages
+are not rewritten (`PagedState.frozen_until`). Approximate by design: `epd replay-check` measures it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class Hit:
     pages: tuple[int, ...] = ()  # cached pages shared with other sequences
     boundary: BoundaryState | None = None
     page_data: torch.Tensor | None = None  # restored pages [n, page_numel], copied into new pages
+    replay_end: int = 0  # bounded replay: the pages cover [0, replay_end); tokens = replay_end - 128
 
 
 @dataclass(slots=True)
@@ -44,9 +50,11 @@ class Restored:
 
 class KVCache:
     def __init__(self, config: ModelConfig, num_pages: int, num_slots: int, device, dtype: torch.dtype,
-                 enable_prefix_cache: bool = True, boundary_cache_bytes: int = 1 << 30, block_size: int = BLOCK_TOKENS):
+                 enable_prefix_cache: bool = True, boundary_cache_bytes: int = 1 << 30, block_size: int = BLOCK_TOKENS,
+                 bounded_replay: bool = True):
         self.config, self.block_size = config, block_size
         self.enable_prefix_cache = enable_prefix_cache
+        self.replay = bounded_replay and getattr(config, "supports_bounded_replay", False)
         self.layout = PageLayout.from_config(config, block_size)
         self.pool = PagePool(self.layout, num_pages, device, dtype)
         self.blocks = BlockManager(num_pages)
@@ -65,13 +73,23 @@ class KVCache:
         usable_blocks = (len(seq.token_ids) - 1) // self.block_size
         pages = self.blocks.lookup(seq.block_hashes[:usable_blocks])
         for count in range(len(pages), 0, -1):
+            if self._replays(len(pages), count):
+                break
             boundary = self.boundaries.get(seq.block_hashes[count - 1])
             if boundary is not None:
                 return Hit(count * self.block_size, tuple(pages[:count]), boundary)
+        if self._replays(len(pages), 0):
+            end = len(pages) * self.block_size
+            return Hit(end - self.block_size, tuple(pages), replay_end=end)
         return Hit()
 
+    def _replays(self, num_pages: int, exact_blocks: int) -> bool:
+        """Replaying the last of `num_pages` cached blocks starts later than an exact hit of
+        `exact_blocks` (seeds: hits of one block or less are not worth a replay)."""
+        return self.replay and num_pages >= 2 and num_pages - 1 > exact_blocks
+
     def can_admit(self, seq, hit: Hit, num_new: int) -> bool:
-        new_pages = self._pages_for(hit.tokens + num_new) - len(hit.pages)
+        new_pages = max(0, self._pages_for(hit.tokens + num_new) - len(hit.pages))
         return self.slots.num_free > 0 and self.blocks.can_allocate(new_pages + self.blocks.cost_to_share(hit.pages))
 
     def admit(self, seq, hit: Hit, num_new: int) -> None:
@@ -79,7 +97,7 @@ class KVCache:
         state = PagedState(self.config, self.pool, self.slots, self.tail_rings, self.slots.allocate())
         self.blocks.share(hit.pages)
         state.page_table = list(hit.pages)
-        state.page_table += self._allocate(self._pages_for(hit.tokens + num_new) - len(hit.pages))
+        state.page_table += self._allocate(max(0, self._pages_for(hit.tokens + num_new) - len(hit.pages)))
         if hit.page_data is not None:
             self.pool.write_pages(state.page_table[: hit.page_data.shape[0]], hit.page_data)
             if self.enable_prefix_cache and hit.tokens % self.block_size == 0:  # a hand-off at a boundary
@@ -88,6 +106,9 @@ class KVCache:
                 self.boundaries.put(seq.block_hashes[hit.tokens // self.block_size - 1], saved)
         if hit.boundary is not None:
             state.load(hit.boundary)
+        if hit.replay_end:
+            state.num_tokens, state.frozen_until = hit.tokens, hit.replay_end
+            self.slots.set_start(state.slot, hit.tokens)  # windows hold nothing before the replay start
         context = self.config.engram_context  # ids the next token's n-grams look back at (V4.1)
         state.recent_ids = list(seq.token_ids[max(0, hit.tokens - context) : hit.tokens]) if context else []
         seq.state, seq.num_computed, seq.restored = state, hit.tokens, None
@@ -98,7 +119,7 @@ class KVCache:
 
     def append(self, seq, num_new: int) -> None:
         state = seq.state
-        state.page_table += self._allocate(self._pages_for(seq.num_computed + num_new) - len(state.page_table))
+        state.page_table += self._allocate(max(0, self._pages_for(seq.num_computed + num_new) - len(state.page_table)))
 
     def release(self, seq) -> None:
         """Return a sequence's pages (full, indexed ones stay cached) and its window slot."""
@@ -164,10 +185,13 @@ class KVCache:
         pages cut back to the last boundary with a saved state (find_hit's rule)."""
         if not self.enable_prefix_cache:
             return 0
-        for count in range(len(self.blocks.lookup(hashes)), 0, -1):
+        num_pages = len(self.blocks.lookup(hashes))
+        for count in range(num_pages, 0, -1):
+            if self._replays(num_pages, count):
+                break
             if hashes[count - 1] in self.boundaries:
                 return count * self.block_size
-        return 0
+        return (num_pages - 1) * self.block_size if self._replays(num_pages, 0) else 0
 
     # ---- export -----------------------------------------------------------------------------
     def read_pages(self, seq, count: int) -> torch.Tensor:

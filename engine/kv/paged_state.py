@@ -20,6 +20,7 @@ class PagedState:
     def __init__(self, config: ModelConfig, pool: PagePool, slots: SwaSlots, rings: TailRings, slot: int):
         self.config, self.pool, self.slots, self.rings, self.slot = config, pool, slots, rings, slot
         self.num_tokens = 0
+        self.frozen_until = 0  # bounded replay: compressed KV of tokens before this is cached; never rewritten
         self.recent_ids: list[int] = []  # the last `config.engram_context` token ids (V4.1's Engram looks back)
         self.page_table: list[int] = []
         self.captured: dict[int, list] = {}  # boundary -> per layer (window, tail, index tail) copies
@@ -36,13 +37,24 @@ class PagedState:
         return PagePool.gather(self.pool.entries[layer], self.page_index(), count)
 
     def write_entries(self, layer: int, first: int, new: torch.Tensor) -> None:
-        PagePool.scatter(self.pool.entries[layer], self.page_index(), first, new)
+        first, new = self._unfrozen(layer, first, new)
+        if new.shape[0]:
+            PagePool.scatter(self.pool.entries[layer], self.page_index(), first, new)
 
     def index_keys(self, layer: int, count: int) -> torch.Tensor:
         return PagePool.gather(self.pool.index_keys[layer], self.page_index(), count)
 
     def write_index_keys(self, layer: int, first: int, new: torch.Tensor) -> None:
-        PagePool.scatter(self.pool.index_keys[layer], self.page_index(), first, new)
+        first, new = self._unfrozen(layer, first, new)
+        if new.shape[0]:
+            PagePool.scatter(self.pool.index_keys[layer], self.page_index(), first, new)
+
+    def _unfrozen(self, layer: int, first: int, new: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """The rows of a write that do not fall in shared cached pages a replay must leave alone."""
+        frozen = self.frozen_until // self.config.compress_ratio(layer) - first
+        if frozen <= 0:
+            return first, new
+        return first + frozen, new[frozen:]
 
     def tail(self, layer: int, position: int, indexer: bool = False) -> PoolerTail | None:
         key = (layer, indexer)

@@ -24,6 +24,7 @@ class SwaSlots:
         self.scratch = num_slots  # one ring more, never allocated: padded rows of a decode batch write there
         self.rings = torch.zeros(num_slots + 1, num_layers, window, head_dim, device=device, dtype=dtype)
         self.free = list(range(num_slots - 1, -1, -1))
+        self.start = [0] * (num_slots + 1)  # per slot: the first position its rings hold (a replay's start)
 
     @property
     def num_free(self) -> int:
@@ -32,7 +33,13 @@ class SwaSlots:
     def allocate(self) -> int:
         if not self.free:
             raise MemoryError("no free sliding-window slot")
-        return self.free.pop()
+        slot = self.free.pop()
+        self.start[slot] = 0
+        return slot
+
+    def set_start(self, slot: int, position: int) -> None:
+        """The slot's windows hold nothing before `position` (bounded replay restarts there)."""
+        self.start[slot] = position
 
     def deallocate(self, slot: int) -> None:
         if slot in self.free:
@@ -40,8 +47,12 @@ class SwaSlots:
         self.free.append(slot)
 
     def read(self, slot: int, layer: int, position: int) -> torch.Tensor:
-        """KV of positions [max(0, position - window), position), oldest first (a copy or a view)."""
+        """KV of positions [max(slot start, position - window), position), oldest first (a copy or a view)."""
         ring = self.rings[slot, layer]
+        first = self.start[slot]
+        if first and first > position - self.window:
+            rows = torch.arange(first, position, device=ring.device) % self.window
+            return ring.index_select(0, rows)
         if position <= self.window:
             return ring[:position]
         start = position % self.window

@@ -113,6 +113,11 @@ class ModelConfig:
         return self.layer_types[layer] == CSA
 
     @property
+    def supports_bounded_replay(self) -> bool:
+        """V4's CSA tails carry the overlap of the last window, which pages cannot rebuild."""
+        return False
+
+    @property
     def engram_context(self) -> int:
         """V4 has no Engram: no earlier token ids are needed to continue a sequence."""
         return 0

@@ -147,6 +147,12 @@ class V41Config:
         return False
 
     @property
+    def supports_bounded_replay(self) -> bool:
+        """Every ratio divides a 128-token block and no tail overlaps: at a block boundary the
+        pages are the whole compressed state, so replaying the last block rebuilds the windows."""
+        return all(128 % r == 0 for r in self.compress_ratios if r)
+
+    @property
     def engram_context(self) -> int:
         """Earlier token ids an Engram n-gram hash looks back at (0 without Engram)."""
         return self.engram_max_ngram_size - 1 if self.engram_layer_ids else 0

@@ -29,7 +29,7 @@ from services.workers.persist import BlockPersister
 from services.workers.tensors import to_frame
 
 ENGINE_KEYS = ("model_dir", "device", "dtype", "num_pages", "max_num_seqs", "max_batched_tokens",
-               "enable_prefix_cache", "batch_invariant", "max_model_len", "swa_cache_bytes", "cuda_graphs",
+               "enable_prefix_cache", "batch_invariant", "max_model_len", "swa_cache_bytes", "bounded_replay", "cuda_graphs",
                "torch_threads")   # engine.engine_core.EngineConfig's fields (a test keeps them equal)
 
 
@@ -98,6 +98,7 @@ class EngineWorker(Service):
         self.model_id = engine.model_id
         self.layout = page_layout(engine)
         self.max_num_seqs = engine_config.max_num_seqs
+        self.bounded_replay = engine.kv.replay   # V4.1: pages without a window state still make a hit
         self.start_loop(self.persister.run())
         self.log.info("engine.loaded", model_dir=engine_config.model_dir, model_id=engine.model_id,
                       load_s=round(time.monotonic() - started, 3), pages=self.engine_stats.pages_total,
