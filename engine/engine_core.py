@@ -22,7 +22,8 @@ import torch
 
 from engine.kv.manager import KVCache
 from engine.kv.snapshot import make_boundary_snapshot, make_snapshot, parse_boundary_snapshot, parse_snapshot
-from engine.model.loader import DTYPES, load_model
+from engine.loading import load_model
+from engine.model.loader import DTYPES
 from engine.runner import ModelRunner
 from engine.sampling import make_generator, validate_sampling_params
 from engine.scheduler import Scheduler, Sequence, SequenceStatus
@@ -113,7 +114,8 @@ class EngineCore:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)   # process-wide: an engine owns its process
         self.model = load_model(config.model_dir, config.device, config.dtype)
-        self.model.decode_graphs.enabled = config.cuda_graphs
+        if hasattr(self.model, "decode_graphs"):  # V4's CUDA-graph decode; V4.1 runs eager for now
+            self.model.decode_graphs.enabled = config.cuda_graphs
         model_config = self.model.config
         self.model_id = model_identity(config.model_dir, str(self.model.dtype))
         limit = config.max_model_len or model_config.max_position_embeddings

@@ -70,4 +70,6 @@ def model_identity(model_dir: str | Path, dtype: str) -> str:
 def configured_dtype(model_dir: str | Path) -> str:
     """The dtype a model directory declares (what an engine uses when none is asked for)."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
-    return str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16").rpartition(".")[2]   # (older configs' key)
+    text = raw.get("text_config") or {}   # V4.1 nests the text model's config
+    dtype = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or "bfloat16"
+    return str(dtype).rpartition(".")[2]   # (older configs' key)   # (older configs' key)

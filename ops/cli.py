@@ -14,11 +14,12 @@ COMMAND_MODULES = (
     "ops.compose",           # compose
     "ops.bench",             # bench ...
     "ops.model_commands",    # model init
+    "ops.replay_command",    # replay-check
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="epd", description="epd: disaggregated serving for DeepSeek V4")
+    parser = argparse.ArgumentParser(prog="epd", description="epd: disaggregated serving for DeepSeek V4 and V4.1")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)

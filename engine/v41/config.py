@@ -163,7 +163,9 @@ class V41Config:
 
 
 def is_v41(raw: dict) -> bool:
-    return raw.get("model_type") == MODEL_TYPE or "text_config" in raw
+    """The gateway's rule too (services/gateway/model_dir.py): the model type names V4.1."""
+    text = raw.get("text_config") or {}
+    return raw.get("model_type") == MODEL_TYPE or text.get("model_type") == f"{MODEL_TYPE}_text"
 
 
 def load_v41_config(name_or_path: str | Path | dict) -> V41Config:

@@ -53,11 +53,13 @@ class Workload:
 
     def __init__(self, gateway_settings: dict, workdir: Path) -> None:
         from services.gateway.adapter import Adapter, AdapterConfig, ServedModel
+        from services.gateway.model_dir import context_length, served_encoding
         settings = dict(gateway_settings)
         model_dir = workdir / settings["model_dir"]
-        context = settings.get("context_length") or _model_context(model_dir)
+        context = settings.get("context_length") or context_length(str(model_dir))
         self.model = settings.get("served_model", "deepseek-v4-tiny")
         served = ServedModel(self.model, context_length=context, tokenizer_path=str(model_dir / "tokenizer.json"),
+                             encoding=served_encoding(str(model_dir), settings.get("encoding", "")),
                              max_output_tokens=settings.get("max_output_tokens", 0))
         self.adapter = Adapter(AdapterConfig(models=(served,)))
 
@@ -90,9 +92,3 @@ class Workload:
     def _prepare(self, body: bytes):
         from services.gateway.adapter import Protocol
         return self.adapter.prepare(Protocol.CHAT, body)
-
-
-def _model_context(model_dir: Path) -> int:
-    """The gateway's default context length: the model's max_position_embeddings."""
-    config = json.loads((model_dir / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or 4096)

@@ -11,7 +11,6 @@ gateway fails the requests still on their way to a worker when the upstream goes
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +32,8 @@ class GatewaySettings:
     model_dir: str = ""                  # tokenizer.json and config.json of the served model
     dtype: str = ""                      # the workers' dtype (part of the block-hash model identity); "" = the model's
     served_model: str = "deepseek-v4-tiny"
+    encoding: str = ""                   # "" = the model dir's (config.json model_type); "v4" | "v4.1"
+                                         # must agree with the model dir (checked at start)
     context_length: int = 0              # 0 = the model's max_position_embeddings
     max_output_tokens: int = 0           # 0 = context_length
     max_concurrent_requests: int = 256   # more in flight answers 429 (OpenAI) / 529 (Anthropic)
@@ -43,6 +44,8 @@ class GatewaySettings:
     chunk_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
+        if self.encoding not in ("", "v4", "v4.1"):
+            raise ValueError(f"encoding must be '', 'v4' or 'v4.1', got {self.encoding!r}")
         if self.max_concurrent_requests < 1 or self.tokenize_threads < 1:
             raise ValueError("max_concurrent_requests and tokenize_threads must be >= 1")
         if not all(isinstance(k, str) and k for k in self.api_keys):
@@ -77,12 +80,14 @@ class GatewayService(Service):
     async def on_start(self) -> None:
         from services.gateway.adapter import Adapter, AdapterConfig, ServedModel
         from services.gateway.http_app import start_http
+        from services.gateway.model_dir import context_length, served_encoding
         from services.gateway.worker_watch import watch_workers
         s = self.settings
-        context = s.context_length or _model_context(s.model_dir)
+        context = s.context_length or context_length(s.model_dir)
+        encoding = served_encoding(s.model_dir, s.encoding)
         tokenizer = str(Path(s.model_dir) / "tokenizer.json") if s.model_dir else ""
-        model = ServedModel(s.served_model, context_length=context, tokenizer_path=tokenizer,
-                            max_output_tokens=s.max_output_tokens)
+        model = ServedModel(s.served_model, context_length=context, encoding=encoding,
+                            tokenizer_path=tokenizer, max_output_tokens=s.max_output_tokens)
         loop = asyncio.get_running_loop()
         self.adapter = await loop.run_in_executor(
             None, Adapter, AdapterConfig(models=(model,), max_body_bytes=s.max_body_bytes))
@@ -92,7 +97,7 @@ class GatewayService(Service):
         self.http_runner = await start_http(self)
         self.in_background(watch_workers(self), "worker_watch.failed")
         self.log.info("gateway.listening", http=f"http://{s.http_bind}", model=s.served_model, model_id=self.model_id,
-                      context_length=context, upstream=self.config.upstream)
+                      encoding=encoding, context_length=context, upstream=self.config.upstream)
 
     async def on_stop(self) -> None:
         if self.http_runner is not None:
@@ -153,10 +158,3 @@ class GatewayService(Service):
                 request.queue.put_nowait(GenerateChunk([], int(FinishReason.ERROR),
                                                        error="upstream worker is unreachable"))
                 self.log.warning("request.upstream_lost", request_id=request_id)
-
-
-def _model_context(model_dir: str) -> int:
-    if not model_dir:
-        raise ValueError("gateway: set settings.model_dir (or settings.context_length)")
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or 4096)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from engine.v41.tokenizer_file import write_v41_tokenizer
 from messages.common import FinishReason
 from services.gateway.adapter import Adapter, AdapterConfig, Protocol, ServedModel
 from tests.helpers.test_helper_stack import down_stack, up_stack
@@ -23,11 +24,17 @@ WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
 
 
 @pytest.fixture(scope="session")
-def adapter() -> Adapter:
+def v41_tokenizer_path(tmp_path_factory) -> str:
+    """Our V4.1 tokenizer.json (V4's plus <｜System｜> and <｜deepseek_image｜>)."""
+    return str(write_v41_tokenizer(tmp_path_factory.mktemp("v41_tokenizer")))
+
+
+@pytest.fixture(scope="session")
+def adapter(v41_tokenizer_path) -> Adapter:
     return Adapter(AdapterConfig(models=(
         ServedModel(MODEL, context_length=1 << 20),
         ServedModel(SMALL_MODEL, context_length=SMALL_CONTEXT, max_output_tokens=300),
-        ServedModel(V41_MODEL, context_length=16384, encoding="v4.1"),
+        ServedModel(V41_MODEL, context_length=16384, encoding="v4.1", tokenizer_path=v41_tokenizer_path),
     )))
 
 

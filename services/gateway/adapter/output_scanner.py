@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from services.gateway.adapter.tool_calls import DsmlSyntax
+from services.gateway.adapter.tool_calls import V4_TAGS, DsmlSyntax, DsmlTags
 
 SENTINEL_DSML = "\ufdd0"     # Unicode noncharacters: never meaningful text
 SENTINEL_THINK_END = "\ufdd1"
@@ -43,12 +43,12 @@ class Rejected:
 
 class OutputScanner:
     def __init__(self, *, start: Stage, parse_tool_calls: bool, tool_names: frozenset[str],
-                 dsml: str, think_end: str) -> None:
+                 dsml: str, think_end: str, tags: DsmlTags = V4_TAGS) -> None:
         self.stage = start
         self.rejected: list[Rejected] = []          # invokes turned into text, for logs/metrics
         self._parse_tool_calls = parse_tool_calls
         self._tool_names = tool_names
-        self._syntax = DsmlSyntax(dsml)
+        self._syntax = DsmlSyntax(dsml, tags)       # the model version's tag spelling
         self._dsml, self._think_end = dsml, think_end
         self._held = ""
         self._block = ""

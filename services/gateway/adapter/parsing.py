@@ -6,17 +6,20 @@ and `starts_in_tool_calls=False` even when the rendered prompt opened a tool-cal
 derived from the conversation here, the same way conversion derives them.
 
 The library parser is always told `starts_in_tool_calls=False`: the adapter's scanner owns the
-tool-call block (it starts in it instead) and hands the parser whole, validated blocks.
+tool-call block (it starts in it instead) and hands the parser whole, validated blocks, spelled
+the way the request's model version writes them (V4 `<｜DSML｜tool_calls>`, V4.1 `<｜DSML｜ calls>`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from deepseek_recipe import (
-    Conversation, ConversationRequest, ParsingOptions, SpecialToken, ThinkingInitialStage,
+    Conversation, ConversationRequest, ModelVersion, ParsingOptions, SpecialToken,
+    ThinkingInitialStage,
 )
 
 from services.gateway.adapter.output_scanner import OutputScanner, Stage
+from services.gateway.adapter.tool_calls import V4_TAGS, V41_TAGS, DsmlTags
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,7 @@ class OutputParsing:
     dsml: str
     think_end: str
     special_tokens: object          # deepseek_recipe.SpecialTokens
+    dsml_tags: DsmlTags = V4_TAGS
 
     def library_options(self) -> ParsingOptions:
         return ParsingOptions(
@@ -45,7 +49,8 @@ class OutputParsing:
         else:
             start = Stage.ANSWER
         return OutputScanner(start=start, parse_tool_calls=self.parse_tool_calls,
-                             tool_names=self.tool_names, dsml=self.dsml, think_end=self.think_end)
+                             tool_names=self.tool_names, dsml=self.dsml, think_end=self.think_end,
+                             tags=self.dsml_tags)
 
 
 def output_parsing_for(request: ConversationRequest) -> OutputParsing:
@@ -68,6 +73,7 @@ def output_parsing_for(request: ConversationRequest) -> OutputParsing:
         dsml=special.token(SpecialToken.Dsml),
         think_end=special.token(SpecialToken.ThinkingEnd),
         special_tokens=special,
+        dsml_tags=V41_TAGS if request.model_version == ModelVersion.DeepseekV41Flash else V4_TAGS,
     )
 
 

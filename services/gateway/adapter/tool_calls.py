@@ -6,15 +6,33 @@ V4 writes tool calls as
     <｜DSML｜parameter name="P" string="true|false">VALUE</｜DSML｜parameter>
     </｜DSML｜invoke>
     </｜DSML｜tool_calls>
+V4.1 spells the tags with a space after the DSML token and names the block `calls`:
+`<｜DSML｜ calls>`, `<｜DSML｜ invoke name=...>`, `<｜DSML｜ parameter ...>` (vLLM 0.33
+`parser/deepseek_v41.py`; deepseek-recipe's V4.1 encoding renders the same). Each model is held to
+its own spelling: the other one is a stray marker, i.e. text.
+
 A string="false" value must be JSON. deepseek-recipe 0.2.0 passes unknown names and broken JSON
-straight to the client; the adapter checks every invoke here first and only lets valid ones
-become tool calls (see output_scanner.py for what happens to the others).
+straight to the client (its parser takes either spelling from either model); the adapter checks
+every invoke here first and only lets valid ones become tool calls (see output_scanner.py for what
+happens to the others).
 """
 from __future__ import annotations
 
 import json
 import re
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class DsmlTags:
+    """What follows the DSML token in each tag of one model version."""
+    block: str
+    invoke: str
+    parameter: str
+
+
+V4_TAGS = DsmlTags(block="tool_calls", invoke="invoke", parameter="parameter")
+V41_TAGS = DsmlTags(block=" calls", invoke=" invoke", parameter=" parameter")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,13 +44,14 @@ class BlockItem:
 
 
 class DsmlSyntax:
-    def __init__(self, dsml: str) -> None:
+    def __init__(self, dsml: str, tags: DsmlTags = V4_TAGS) -> None:
         d = re.escape(dsml)
-        self.open = f"<{dsml}tool_calls>"
-        self.close = f"</{dsml}tool_calls>"
-        self._invoke = re.compile(f'<{d}invoke name="([^"\\n]*)">(.*?)</{d}invoke>', re.DOTALL)
+        invoke, param = re.escape(tags.invoke), re.escape(tags.parameter)
+        self.open = f"<{dsml}{tags.block}>"
+        self.close = f"</{dsml}{tags.block}>"
+        self._invoke = re.compile(f'<{d}{invoke} name="([^"\\n]*)">(.*?)</{d}{invoke}>', re.DOTALL)
         self._param = re.compile(
-            f'<{d}parameter name="([^"\\n]*)" string="(true|false)">(.*?)</{d}parameter>', re.DOTALL)
+            f'<{d}{param} name="([^"\\n]*)" string="(true|false)">(.*?)</{d}{param}>', re.DOTALL)
 
     def split_block(self, body: str, tool_names: frozenset[str], complete: bool) -> list[BlockItem]:
         """Split the text inside one tool-call block (closed, or cut off) into checked items."""

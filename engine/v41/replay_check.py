@@ -1,0 +1,138 @@
+"""The seeds' two-level equivalence check of bounded replay (seed 003) against a full recompute.
+
+A prompt's first H tokens (a block multiple) are computed and cached; their window states are then
+dropped (expired). The whole prompt is admitted again: the KV cache takes all H tokens' pages and
+replays the last block (kv/manager.py). The same prompt is also computed from scratch.
+
+Level 1 checks metadata: the hit, the replay start and the rows recomputed, the window each
+replayed query may see (clamped at the replay start), and that the cached pages were not rewritten.
+Level 2 compares teacher-forced log-probabilities of the prompt's own next tokens, replay against
+full recompute: mean and max |delta logprob|, top-1 agreement and top-5 overlap, separately for the
+replayed rows [H - 128, H) and the rows after the hit [H, L - 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv.manager import KVCache
+from engine.scheduler.sequence import Sequence
+from messages.common import SamplingParams
+from messages.prefix import BLOCK_TOKENS
+
+# Level-2 pass marks for the rows after the hit (where requests sample); see README "Bounded replay".
+THRESHOLDS = {"mean_abs": 0.05, "max_abs": 1.0, "top1": 0.95, "top5": 0.9}
+
+
+@dataclass(slots=True)
+class Agreement:
+    rows: int = 0
+    mean_abs: float = 0.0
+    max_abs: float = 0.0
+    top1: float = 1.0
+    top5: float = 1.0
+
+    @classmethod
+    def between(cls, replay: torch.Tensor, full: torch.Tensor, targets: torch.Tensor) -> "Agreement":
+        """Rows of logits [n, V] and the tokens they predict [n]."""
+        if replay.shape[0] == 0:
+            return cls()
+        lp_r, lp_f = replay.float().log_softmax(-1), full.float().log_softmax(-1)
+        delta = (lp_r.gather(1, targets[:, None]) - lp_f.gather(1, targets[:, None])).abs().squeeze(1)
+        top5_r, top5_f = lp_r.topk(5, dim=-1).indices, lp_f.topk(5, dim=-1).indices
+        overlap = (top5_r[:, :, None] == top5_f[:, None, :]).any(-1).float().mean(-1)
+        return cls(rows=int(replay.shape[0]), mean_abs=float(delta.mean()), max_abs=float(delta.max()),
+                   top1=float((top5_r[:, 0] == top5_f[:, 0]).float().mean()), top5=float(overlap.mean()))
+
+    @classmethod
+    def pooled(cls, parts: list["Agreement"]) -> "Agreement":
+        rows = sum(p.rows for p in parts)
+        if rows == 0:
+            return cls()
+        weigh = lambda name: sum(getattr(p, name) * p.rows for p in parts) / rows  # noqa: E731
+        return cls(rows, weigh("mean_abs"), max(p.max_abs for p in parts), weigh("top1"), weigh("top5"))
+
+    def passes(self) -> bool:
+        t = THRESHOLDS
+        return (self.mean_abs <= t["mean_abs"] and self.max_abs <= t["max_abs"]
+                and self.top1 >= t["top1"] and self.top5 >= t["top5"])
+
+
+@dataclass(slots=True)
+class PromptCheck:
+    length: int
+    hit: int                      # H: cached tokens whose window expired
+    metadata: dict[str, bool] = field(default_factory=dict)    # level 1, name -> held
+    replayed: Agreement = field(default_factory=Agreement)     # rows [H - 128, H)
+    after: Agreement = field(default_factory=Agreement)        # rows [H, L - 1)
+
+
+def check_prompt(model, prompt: list[int], hit: int, model_id: str = "replay-check") -> PromptCheck:
+    """Run both levels for one prompt whose first `hit` tokens (a block multiple >= 256) are cached."""
+    if hit % BLOCK_TOKENS or hit < 2 * BLOCK_TOKENS or hit >= len(prompt):
+        raise ValueError(f"hit {hit} must be a multiple of {BLOCK_TOKENS}, >= {2 * BLOCK_TOKENS}, below the prompt")
+    config, device, dtype = model.config, model.device, model.dtype
+    pages = -(-len(prompt) // BLOCK_TOKENS) * 2 + 2
+    kv = KVCache(config, pages, 2, device, dtype, enable_prefix_cache=True, bounded_replay=True)
+    result = PromptCheck(len(prompt), hit)
+    meta = result.metadata
+
+    # cache the first `hit` tokens (pages + window states), then let the window states expire
+    first = _sequence("cached", prompt[:hit], model_id)
+    kv.admit(first, kv.find_hit(first), hit)
+    model([_ids(prompt[:hit], device)], [first.state], captures=[kv.capture_positions(first, hit)])
+    first.num_computed = hit
+    kv.commit(first)
+    cached_pages = list(first.state.page_table)
+    kv.release(first)
+    kv.boundaries.states.clear()
+    kv.boundaries.used_bytes = 0
+    before = kv.pool.read_pages(cached_pages).clone()
+
+    # the same prompt again: a replay hit
+    seq = _sequence("replayed", prompt, model_id)
+    found = kv.find_hit(seq)
+    start = hit - BLOCK_TOKENS
+    meta["hit floored to the cached blocks"] = found.replay_end == hit
+    meta["replay starts one block before the hit"] = found.tokens == start
+    meta["the hit's pages are the cached pages"] = list(found.pages) == cached_pages
+    kv.admit(seq, found, len(prompt) - found.tokens)
+    slot = seq.state.slot
+    meta["state resumes at the replay start"] = seq.state.num_tokens == start and seq.num_computed == start
+    meta["replayed windows clamp at the replay start"] = all(
+        kv.slots.read(slot, layer, p).shape[0] == min(config.sliding_window, p - start)
+        for layer in range(config.num_layers) for p in (start, start + 1, hit - 1, hit))
+    replay_logits = model([_ids(prompt[start:], device)], [seq.state], all_logits=True)
+    meta["rows recomputed = L - H + 128"] = replay_logits.shape[0] == len(prompt) - start
+    meta["cached compressed pages not rewritten"] = torch.equal(kv.pool.read_pages(cached_pages), before)
+    kv.release(seq)
+
+    full_logits = model([_ids(prompt, device)], [model.new_state()], all_logits=True)[start:]
+    targets = torch.tensor(prompt[start + 1 :], device=replay_logits.device)
+    rows = BLOCK_TOKENS
+    result.replayed = Agreement.between(replay_logits[:rows], full_logits[:rows], targets[:rows])
+    after = slice(rows, len(prompt) - start - 1)
+    result.after = Agreement.between(replay_logits[after], full_logits[after], targets[after])
+    return result
+
+
+def sample_prompts(count: int, seed: int = 0, low: int = 100, high: int = 100_000) -> list[tuple[list[int], int]]:
+    """Seeded (prompt, hit) pairs: hits of 2-4 blocks, 1-200 tokens after the hit (ordinary text ids)."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range(count):
+        hit = BLOCK_TOKENS * int(torch.randint(2, 5, (1,), generator=generator))
+        extra = int(torch.randint(1, 201, (1,), generator=generator))
+        prompt = torch.randint(low, high, (hit + extra,), generator=generator).tolist()
+        pairs.append((prompt, hit))
+    return pairs
+
+
+def _sequence(request_id: str, tokens: list[int], model_id: str) -> Sequence:
+    return Sequence(request_id, list(tokens), len(tokens), SamplingParams(), model_id)
+
+
+def _ids(tokens: list[int], device) -> torch.Tensor:
+    return torch.tensor(tokens, dtype=torch.long, device=device)

@@ -1,0 +1,54 @@
+"""`epd replay-check`: the seeds' two-level equivalence check of bounded replay (V4.1 models).
+
+Level 1 (metadata) must hold exactly; level 2 prints how far replay's teacher-forced log-probs are
+from a full recompute, against the pass marks in engine.v41.replay_check.THRESHOLDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("replay-check", help="bounded replay vs full recompute: metadata, then logprobs")
+    p.add_argument("--model", default=".epd/models/deepseek-v41-tiny", help="a V4.1 model directory")
+    p.add_argument("--prompts", type=int, default=12, help="seeded prompts (hits of 2-4 blocks)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=None, choices=(None, "bfloat16", "float32"), help="default: the model's")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.set_defaults(func=cmd_replay_check)
+
+
+def cmd_replay_check(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.loading import load_model, model_arch
+    from engine.v41.replay_check import THRESHOLDS, Agreement, check_prompt, sample_prompts
+
+    if model_arch(args.model) != "v4.1":
+        print(f"{args.model} is not a V4.1 model: bounded replay is a V4.1 mechanism")
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model, "cpu", args.dtype)
+    checks = [check_prompt(model, prompt, hit) for prompt, hit in sample_prompts(args.prompts, args.seed)]
+    print(f"bounded replay vs full recompute: {args.model} ({model.dtype}), {len(checks)} prompts, seed {args.seed}")
+    print("\nlevel 1 (metadata)")
+    names = list(checks[0].metadata)
+    level1 = True
+    for name in names:
+        held = sum(c.metadata[name] for c in checks)
+        level1 &= held == len(checks)
+        print(f"  {'ok  ' if held == len(checks) else 'FAIL'} {name:48s} {held}/{len(checks)}")
+    print("\nlevel 2 (teacher-forced logprobs)")
+    print(f"  {'rows':26s} {'n':>5s} {'mean|d|':>9s} {'max|d|':>9s} {'top-1':>7s} {'top-5':>7s}")
+    replayed = Agreement.pooled([c.replayed for c in checks])
+    after = Agreement.pooled([c.after for c in checks])
+    for label, a in (("replayed [H-128, H)", replayed), ("after the hit [H, L-1)", after)):
+        print(f"  {label:26s} {a.rows:5d} {a.mean_abs:9.4f} {a.max_abs:9.4f} {a.top1:7.3f} {a.top5:7.3f}")
+    t = THRESHOLDS
+    print(f"  pass marks (after the hit): mean|d| <= {t['mean_abs']}, max|d| <= {t['max_abs']}, "
+          f"top-1 >= {t['top1']}, top-5 >= {t['top5']}")
+    level2 = after.passes()
+    print(f"\nlevel 1 {'PASS' if level1 else 'FAIL'}; level 2 {'PASS' if level2 else 'FAIL'}")
+    return 0 if level1 and level2 else 1
