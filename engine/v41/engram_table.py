@@ -141,14 +141,3 @@ def _device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     raw = host.view(torch.uint8)
     return torch.as_tensor(_DeviceView(raw, host), device=device).view(host.dtype)
 
-
-def quantize_table(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Floating [rows, dim] -> the released layout: FP8 e4m3 values and e8m0 scales [rows, dim / 32]
-    (the smallest power of two that keeps each 32-column block within e4m3's range)."""
-    rows, dim = values.shape
-    blocks = values.float().reshape(rows, dim // SCALE_BLOCK, SCALE_BLOCK)
-    amax = blocks.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
-    exponent = torch.ceil(torch.log2(amax / torch.finfo(torch.float8_e4m3fn).max)).clamp(-127, 127)
-    quantized = (blocks / torch.exp2(exponent)[..., None]).to(torch.float8_e4m3fn).reshape(rows, dim)
-    scales = (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
-    return quantized, scales

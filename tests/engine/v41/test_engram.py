@@ -14,7 +14,7 @@ from engine.model.random_init import tokenizer_json_path
 from engine.v41.config import V41Config
 from engine.v41.engram import Engram
 from engine.v41.engram_hash import NgramHasher, engram_row_counts
-from engine.v41.engram_table import quantize_table
+from engine.quant import quantize_fp8_rows as quantize_table
 from engine.v41.engram_vocab import compressed_vocab
 
 nemo_engram = pytest.importorskip(
