@@ -4,24 +4,28 @@ PYTHON ?= python3
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-MODEL   = .epd/models/deepseek-v4-tiny
+MODEL   = .epd/models/deepseek-v41-tiny
 
 .PHONY: install model up down status test clean
 
 install: $(STAMP)
 
 # Re-install whenever pyproject.toml changes. torch first, by exact version: the machine's local
-# CPU wheel; a looser spec would pull a multi-GB CUDA build.
+# CPU wheel; a looser spec would pull a multi-GB CUDA build. NeMo Automodel is the test-only V4.1
+# reference model: it pins transformers 5.18, ours is 5.24 (the V4 reference) and it runs on 5.24,
+# so it goes in last without its dependencies (pillow, which it imports, is in the test extra).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps nemo-automodel==0.7.0
 	touch $(STAMP)
 
-# The default model: random weights in the tiny V4 shape, the real V4 tokenizer; made here, never downloaded.
+# The default model: random weights in the tiny V4.1 shape, written in the released V4.1 checkpoint layout
+# (FP8 / MXFP4), with our V4.1 tokenizer (the V4 vocabulary); made here, never downloaded.
 model: $(MODEL)/config.json
 $(MODEL)/config.json: | $(STAMP)
-	$(VENV)/bin/epd model init --config tiny --seed 0 --out $(MODEL)
+	$(VENV)/bin/epd model init --arch v4.1 --seed 0 --out $(MODEL)
 
 up: install model
 	$(VENV)/bin/epd up

@@ -50,7 +50,8 @@ def cmd_up(args) -> int:
     from ops.launcher import Supervisor
     from ops.topology import load_topology
     try:
-        topology = load_topology(args.topology, port_base=args.port_base, http_port=args.http_port)
+        topology = load_topology(args.topology, port_base=args.port_base, http_port=args.http_port,
+                                 model_dir=args.model)
     except (ValueError, OSError) as exc:
         print(f"epd up: {exc}", file=sys.stderr)
         return 2
@@ -81,7 +82,7 @@ def _print_ready(supervisor) -> None:
         api = f"http://{settings.get('http_bind', '127.0.0.1:8000')}"
         print(f"API: {api}/v1  (OpenAI Chat Completions, Responses; Anthropic Messages)")
         print(f"  curl {api}/v1/chat/completions -H 'Content-Type: application/json' -d "
-              f"'{{\"model\": \"{settings.get('served_model', 'deepseek-v4-tiny')}\", "
+              f"'{{\"model\": \"{settings.get('served_model', 'deepseek-v41-tiny')}\", "
               f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
     else:
         print("API: none yet (this topology has no gateway service)")
@@ -93,6 +94,8 @@ def _up_detached(args, run_dir: Path) -> int:
     argv = [sys.executable, "-m", "ops.cli", "up", "--run-dir", str(run_dir)]
     if args.topology:
         argv += ["--topology", args.topology]
+    if args.model:
+        argv += ["--model", args.model]
     if args.port_base is not None:
         argv += ["--port-base", str(args.port_base)]
     if args.http_port is not None:
@@ -212,6 +215,8 @@ def register(subparsers) -> None:
                                        "or unified (gateway + one unified worker)")
     up.add_argument("--port-base", type=int, help="override the topology's first port")
     up.add_argument("--http-port", type=int, help="override the port of the HTTP API (the gateway's)")
+    up.add_argument("--model", help="serve this model directory (V4 or V4.1) instead of the topology's; "
+                                    "the API's model name is the directory's name")
     up.add_argument("--run-dir", help="where logs and state go (default .epd/runs/<time>)")
     up.add_argument("--detach", action="store_true", help="return once ready; stop later with `epd down`")
     up.add_argument("--wait-s", type=float, default=120.0, help="with --detach: how long to wait for ready")

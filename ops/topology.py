@@ -135,8 +135,10 @@ class Topology:
 
 
 def load_topology(name_or_path: str | None = None, *, port_base: int | None = None,
-                  host: str | None = None, http_port: int | None = None) -> Topology:
-    """A topology from a file path, or by name from the embedded ones ("default", ...)."""
+                  host: str | None = None, http_port: int | None = None, model_dir: str | None = None) -> Topology:
+    """A topology from a file path, or by name from the embedded ones ("default", ...).
+    `model_dir`: every service that names a model serves this one instead (the gateway under the
+    directory's name)."""
     name_or_path = ALIASES.get(name_or_path or "default", name_or_path or "default")
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.exists():
@@ -153,6 +155,14 @@ def load_topology(name_or_path: str | None = None, *, port_base: int | None = No
             if "http_bind" in settings:
                 bind_host = settings["http_bind"].rpartition(":")[0] or topology.host
                 spec.options["settings"] = {**settings, "http_bind": f"{bind_host}:{http_port}"}
+    if model_dir is not None:
+        for spec in topology.services:
+            settings = spec.options.get("settings", {})
+            if "model_dir" in settings:
+                settings = {**settings, "model_dir": model_dir}
+                if "served_model" in settings:
+                    settings["served_model"] = Path(model_dir).name
+                spec.options["settings"] = settings
     return topology
 
 

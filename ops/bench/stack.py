@@ -39,7 +39,7 @@ from pathlib import Path
 from ops.bench.table import machine, print_table, write_json
 
 TOKENS_TARGET = 0.9                  # stack tokens/s / engine tokens/s
-DEFAULT_MODEL = ".epd/models/deepseek-v4-tiny"
+DEFAULT_MODEL = ".epd/models/deepseek-v41-tiny"
 WARMUP_TOKENS = 4                    # the warm-up round: prompts like the measured ones, 4 tokens out
 
 
@@ -120,7 +120,7 @@ def _model_dir(path: str) -> Path | None:
     model_dir = Path(path)
     if not (model_dir / "config.json").exists() and path == DEFAULT_MODEL:
         from engine.model.random_init import write_random_model_dir
-        _progress(f"writing the tiny model to {model_dir} (epd model init --config tiny --seed 0)")
+        _progress(f"writing the tiny model to {model_dir} (epd model init --arch v4.1 --seed 0)")
         write_random_model_dir("tiny", model_dir, seed=0)
     return model_dir if (model_dir / "config.json").exists() else None
 

@@ -57,7 +57,7 @@ class Workload:
         settings = dict(gateway_settings)
         model_dir = workdir / settings["model_dir"]
         context = settings.get("context_length") or context_length(str(model_dir))
-        self.model = settings.get("served_model", "deepseek-v4-tiny")
+        self.model = settings.get("served_model", "deepseek-v41-tiny")
         served = ServedModel(self.model, context_length=context, tokenizer_path=str(model_dir / "tokenizer.json"),
                              encoding=served_encoding(str(model_dir), settings.get("encoding", "")),
                              max_output_tokens=settings.get("max_output_tokens", 0))

@@ -31,7 +31,7 @@ class GatewaySettings:
     http_bind: str = "127.0.0.1:8000"
     model_dir: str = ""                  # tokenizer.json and config.json of the served model
     dtype: str = ""                      # the workers' dtype (part of the block-hash model identity); "" = the model's
-    served_model: str = "deepseek-v4-tiny"
+    served_model: str = "deepseek-v41-tiny"
     encoding: str = ""                   # "" = the model dir's (config.json model_type); "v4" | "v4.1"
                                          # must agree with the model dir (checked at start)
     context_length: int = 0              # 0 = the model's max_position_embeddings

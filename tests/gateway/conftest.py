@@ -121,7 +121,8 @@ def accumulate_all(prepared, chunks: list[list[int]], finish=FinishReason.STOP, 
 
 # ---- a running stack (the default E/P/D topology as real processes), shared by this folder's tests ----
 @pytest.fixture(scope="package")
-def stack(tmp_path_factory, tiny_model_dir):
-    stack = up_stack(tmp_path_factory.mktemp("stack"), "default", tiny_model_dir)
+def stack(tmp_path_factory, tiny_v41_model_dir):
+    """The SDK suite runs against the default stack and its default model, V4.1."""
+    stack = up_stack(tmp_path_factory.mktemp("stack"), "default", tiny_v41_model_dir)
     yield stack
     down_stack(stack)

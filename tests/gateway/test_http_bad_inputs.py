@@ -9,6 +9,7 @@ from urllib.parse import urlparse
 import pytest
 
 from ops.control_client import query_status
+from tests.conftest import V41_MODEL_NAME as STACK_MODEL
 from tests.gateway.conftest import MODEL
 from tests.gateway.test_bad_inputs import CASES
 
@@ -50,6 +51,7 @@ def test_the_suite_is_large_enough_and_spans_the_three_apis():
 @pytest.mark.parametrize("protocol, label, body, status, error_type, param", STACK_CASES,
                          ids=[f"{c[0].value}:{c[1]}" for c in STACK_CASES])
 def test_malformed_request_gets_status_and_protocol_shape(stack, protocol, label, body, status, error_type, param):
+    body = body.replace(f'"{MODEL}"'.encode(), f'"{STACK_MODEL}"'.encode())   # the stack serves V4.1
     got_status, payload = post(stack["url"], PATHS[protocol.value], body)
     assert got_status == status, payload
     if protocol.is_openai:

@@ -16,7 +16,7 @@ from tests.helpers.test_helper_processes import wait_until
 
 pytestmark = pytest.mark.slow   # starts service processes
 
-MODEL = "deepseek-v4-tiny"
+MODEL = "deepseek-v41-tiny"
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -205,7 +205,7 @@ def test_gateway_and_worker_agree_on_the_block_hash_chain(oai, stack):
     log = open(prefill["log"]).read()
     assert '"event": "request.prefilled"' in log   # the worker saw this request ...
     assert '"event": "hash_chain.mismatch"' not in log   # ... and its chain matched the gateway's
-    assert '"model_id": "deepseek-v4-tiny-float32-' in open(gateway["log"]).read()
+    assert '"model_id": "deepseek-v41-tiny-float32-' in open(gateway["log"]).read()
 
 
 def test_logprobs_and_top_logprobs_come_back_for_every_token(oai):

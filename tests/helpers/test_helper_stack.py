@@ -54,8 +54,9 @@ def up_stack(root: Path, topology: str, tiny_model_dir: Path) -> dict:
     link_model(root, tiny_model_dir)
     base = free_port_base(len(load_topology(topology).instances()))
     http_port = free_port_base(1, offset=0)
+    model = str(Path(".epd/models") / tiny_model_dir.name)   # served under the directory's name
     up = subprocess.run([sys.executable, "-m", "ops.cli", "up", "--detach", "--topology", topology,
-                         "--port-base", str(base), "--http-port", str(http_port)],
+                         "--port-base", str(base), "--http-port", str(http_port), "--model", model],
                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert up.returncode == 0, up.stdout + up.stderr
     state = json.loads((root / "runs/current/state.json").read_text())

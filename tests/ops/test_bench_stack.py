@@ -30,10 +30,10 @@ def run_bench(argv: list[str]) -> int:
 
 
 @pytest.mark.timeout(240)
-def test_tiny_stack_bench_runs_both_sides_with_equal_outputs_and_stops_the_stack(tmp_path, tiny_model_dir, capsys):
+def test_tiny_stack_bench_runs_both_sides_with_equal_outputs_and_stops_the_stack(tmp_path, tiny_v41_model_dir, capsys):
     out, work = tmp_path / "stack.json", tmp_path / "work"
     argv = ["--streams", str(STREAMS), "--rounds", str(ROUNDS), "--max-tokens", str(MAX_TOKENS),
-            "--min-prompt", "20", "--max-prompt", "160", "--model-dir", str(tiny_model_dir),
+            "--min-prompt", "20", "--max-prompt", "160", "--model-dir", str(tiny_v41_model_dir),
             "--workdir", str(work), "--json", str(out)]
     assert run_bench(argv) == 0, capsys.readouterr().err
 
@@ -41,7 +41,7 @@ def test_tiny_stack_bench_runs_both_sides_with_equal_outputs_and_stops_the_stack
     assert doc["bench"] == "stack" and doc["streams"] == STREAMS and doc["rounds"] == ROUNDS
     datetime.datetime.fromisoformat(doc["date"])
     assert doc["machine"]["cores"] >= 1 and len(doc["load_avg_1m"]) == 2
-    assert doc["engine_settings"]["model_dir"].endswith(tiny_model_dir.name)
+    assert doc["engine_settings"]["model_dir"].endswith(tiny_v41_model_dir.name)
     assert doc["requests"] == STREAMS * ROUNDS and doc["mismatches"] == []
 
     rows = doc["per_request"]
@@ -129,13 +129,13 @@ def test_outputs_that_differ_are_mismatches_and_the_summary_pairs_requests():
     assert (summary["added_ttft_ms_p50"], summary["added_ttft_ms_p99"]) == (200.0, 200.0)   # 50 ms and 200 ms
 
 
-def test_the_baseline_engine_takes_the_workers_settings_but_not_their_thread_split(tmp_path, tiny_model_dir):
+def test_the_baseline_engine_takes_the_workers_settings_but_not_their_thread_split(tmp_path, tiny_v41_model_dir):
     from ops.bench.stack_local import LocalStack
-    default = LocalStack("default", tiny_model_dir, tmp_path / "default").engine_settings()
+    default = LocalStack("default", tiny_v41_model_dir, tmp_path / "default").engine_settings()
     assert "torch_threads" not in default and default["dtype"] == "float32"
     assert default["model_dir"].startswith(str((tmp_path / "default").resolve()))
     text = (Path(__file__).parents[2] / "ops/topologies/default.toml").read_text()
     differs = tmp_path / "differs.toml"
     differs.write_text(text.replace('dtype = "float32"\n', 'dtype = "bfloat16"\n', 1))
     with pytest.raises(ValueError, match="run different engines"):
-        LocalStack(str(differs), tiny_model_dir, tmp_path / "differs").engine_settings()
+        LocalStack(str(differs), tiny_v41_model_dir, tmp_path / "differs").engine_settings()

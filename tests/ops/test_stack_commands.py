@@ -69,8 +69,8 @@ heartbeat_s = 0.5
     return path
 
 
-def test_default_stack_up_status_down_leaves_no_process(epd, tiny_model_dir):
-    link_model(epd.cwd, tiny_model_dir)
+def test_default_stack_up_status_down_leaves_no_process(epd, tiny_v41_model_dir):
+    link_model(epd.cwd, tiny_v41_model_dir)
     http_port = free_port_base(1, offset=0)
     up = epd("up", "--detach", "--port-base", str(free_port_base(len(load_topology().instances()))),
              "--http-port", str(http_port))
@@ -82,7 +82,7 @@ def test_default_stack_up_status_down_leaves_no_process(epd, tiny_model_dir):
     assert set(peers) == {"gateway", "prefill_router", "prefill_worker", "decode_router", "decode_worker",
                           "kv_writer", "swa_registry"}
     assert peers["prefill_router"] == "2/2" and peers["decode_router"] == "1/1"   # gateway + prefill worker; decode worker
-    body = {"model": "deepseek-v4-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    body = {"model": "deepseek-v41-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
     request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:   # prefill worker -> decode worker

@@ -101,5 +101,5 @@ def test_the_embedded_topologies_are_the_epd_form_and_the_unified_form():
     for name in ("default", "unified"):
         for spec, _, config in load_topology(name).instances():
             if "model_dir" in config.settings:   # the CPU defaults on the tiny model of `make model`
-                assert config.settings["model_dir"] == ".epd/models/deepseek-v4-tiny", spec.name
+                assert config.settings["model_dir"] == ".epd/models/deepseek-v41-tiny", spec.name
                 assert config.settings["dtype"] == "float32", spec.name

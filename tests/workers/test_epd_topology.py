@@ -45,7 +45,7 @@ def test_the_stack_is_wired_the_epd_way_and_every_setting_parses():
         cls = resolve(spec.kind)   # every kind is in the catalog
         if spec.kind in ("prefill_worker", "decode_worker"):
             settings = parse_settings(WorkerSettings, config.settings, spec.kind)
-            assert settings.engine["model_dir"] == ".epd/models/deepseek-v4-tiny"
+            assert settings.engine["model_dir"] == ".epd/models/deepseek-v41-tiny"
         elif spec.kind == "prefill_router":
             parse_settings(PrefillRouterSettings, config.settings, spec.kind)
         elif spec.kind != "gateway":   # the gateway loads its tokenizer when built; the others just parse

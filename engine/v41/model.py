@@ -1,0 +1,173 @@
+"""DeepSeek V4.1 causal LM (text) over explicit per-sequence state.
+
+`DeepseekV41.forward(chunks, states)` has V4's contract (`engine.model.model.DeepseekV4`): a chunk
+of new tokens per sequence (a whole prompt, a prefill piece, or one decode token), each state
+advanced in place. Module names are the released checkpoint's (`embed`, `layers.N.attn.wq_a`,
+`layers.N.hc_attn_fn`, `head`, ...), so a dequantized checkpoint loads with `load_state_dict`.
+
+Per block: [Engram] -> attention site -> FFN site, with single-pass mHC (`engine.v41.hyper`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from engine.model.norms import RMSNorm
+from engine.model.state import SequenceKV, SequenceState
+from engine.v41 import hyper
+from engine.v41.attention import Attention, Selection, V41Batch
+from engine.v41.config import V41Config
+from engine.v41.engram import Engram
+from engine.v41.engram_hash import NgramHasher
+from engine.v41.moe import MoE
+from engine.v41.rope import V41Rotary
+
+# Parameters the release keeps in fp32 whatever the model dtype (suffix match on the name);
+# norms stay fp32 as in our V4 (a bf16 checkpoint value converts exactly).
+FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+                 "attn_sink", "compressor.wkv.weight", "compressor.wgate.weight", "gate.bias", "gate.bias_vl",
+                 "norm.weight", "head.weight")
+
+
+def keeps_fp32(name: str) -> bool:
+    return name.endswith(FP32_SUFFIXES)
+
+
+class Block(nn.Module):
+    def __init__(self, config: V41Config, layer: int, rotaries: dict[str, V41Rotary]):
+        super().__init__()
+        self.config = config
+        self.attn = Attention(config, layer, rotaries)
+        self.ffn = MoE(config)
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hyper.register_site(self, "attn", config)
+        hyper.register_site(self, "ffn", config)
+        self.engram = Engram(config, layer) if layer in config.engram_layer_ids else None
+
+    def forward(self, streams: torch.Tensor, pre: torch.Tensor, batch: V41Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [T, hc_mult, hidden], pre [T, hc_mult] (the previous site's) -> both, updated."""
+        if self.engram is not None:
+            rows = batch.engram_rows[:, self.engram.hash_index]
+            streams = self.engram(streams, rows, ~batch.engram_dead)
+        attn_mix = hyper.predict_mix(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.config)
+        attended = self.attn(self.attn_norm(hyper.collapse(streams, pre)), batch)
+        streams = hyper.expand(attended, streams, attn_mix)
+        ffn_mix = hyper.predict_mix(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.config)
+        out = self.ffn(self.ffn_norm(hyper.collapse(streams, attn_mix.pre)), batch.image_mask)
+        return hyper.expand(out, streams, ffn_mix), ffn_mix.pre
+
+
+class DeepseekV41(nn.Module):
+    """`engram_hash`: the n-gram hasher of the model's tokenizer; a model with Engram layers needs
+    it to run (it is built from the tokenizer, not the checkpoint)."""
+
+    def __init__(self, config: V41Config, engram_hash: NgramHasher | None = None):
+        super().__init__()
+        self.config = config
+        self.engram_hash = engram_hash
+        self.rotaries = {
+            "main": V41Rotary(config.rope_theta, config.rope_dim),
+            "compress": V41Rotary(config.compress_rope_theta, config.rope_dim, config.rope_scaling),
+        }
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i, self.rotaries) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=torch.float32)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Activation (and state) dtype."""
+        return self.embed.weight.dtype
+
+    def cast(self, dtype: torch.dtype) -> "DeepseekV41":
+        """Floating parameters to `dtype`, except those the release keeps in fp32."""
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            if tensor.is_floating_point() and not keeps_fp32(name):
+                tensor.data = tensor.data.to(dtype)
+        return self
+
+    def new_state(self) -> SequenceState:
+        return SequenceState.empty(self.config, device=self.device, dtype=self.dtype)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        chunks: Sequence[torch.Tensor],
+        states: Sequence[SequenceKV],
+        all_logits: bool = False,
+        captures: Sequence[Sequence[int]] | None = None,
+        image_masks: Sequence[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run new tokens of each sequence; advance each state in place.
+
+        chunks[i]: 1-D token ids appended to sequence i (non-empty). Returns fp32 logits of the last
+        token of every chunk [B, vocab], or of every token packed in chunk order [sum(len), vocab].
+        captures[i]: ascending absolute positions in (num_tokens, num_tokens + len] where state i
+        captures its windows and tails. image_masks[i]: bool per token of chunk i, True for image
+        tokens (routed with `bias_vl`).
+        """
+        if len(chunks) != len(states) or not chunks:
+            raise ValueError("need one state per chunk and at least one chunk")
+        batch = self._pack(chunks, states, image_masks)
+        if captures is not None:
+            batch.captures = _checked_captures(captures, chunks, states)
+        streams = self.embed(batch.input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        pre = hyper.first_pre(streams.shape[0], self.config, streams.device)
+        for block in self.layers:
+            streams, pre = block(streams, pre, batch)
+        hidden = self.norm(hyper.collapse(streams, pre))
+        if not all_logits:
+            hidden = hidden[torch.tensor([end - 1 for _, end in batch.spans], device=hidden.device)]
+        context = self.config.engram_context
+        for state, chunk in zip(states, chunks):
+            state.num_tokens += chunk.numel()
+            if context:
+                state.recent_ids = (list(state.recent_ids) + chunk.tolist())[-context:]
+        return self.head(hidden.float())
+
+    def _pack(self, chunks, states, image_masks) -> V41Batch:
+        device, spans, positions, selections, start = self.device, [], [], [], 0
+        for chunk, state in zip(chunks, states):
+            if chunk.dim() != 1 or chunk.numel() == 0:
+                raise ValueError("each chunk must be a non-empty 1-D tensor of token ids")
+            spans.append((start, start + chunk.numel()))
+            positions.append(torch.arange(state.num_tokens, state.num_tokens + chunk.numel()))
+            selections.append(Selection(state.num_tokens, chunk.numel()))
+            start += chunk.numel()
+        input_ids = torch.cat([c.reshape(-1) for c in chunks]).to(device=device, dtype=torch.long)
+        positions = torch.cat(positions).to(device)
+        image_mask = None
+        if image_masks is not None:
+            if [m.numel() for m in image_masks] != [c.numel() for c in chunks]:
+                raise ValueError("need one image flag per token")
+            image_mask = torch.cat([m.reshape(-1) for m in image_masks]).to(device=device, dtype=torch.bool)
+        angles = {name: rotary.angles(positions) for name, rotary in self.rotaries.items()}
+        batch = V41Batch(input_ids, positions, spans, list(states), angles, selections, image_mask)
+        if self.config.engram_layer_ids:
+            if self.engram_hash is None:
+                raise ValueError("a model with Engram layers needs its tokenizer's NgramHasher (engram_hash)")
+            batch.engram_dead = input_ids == self.config.image_token_id if image_mask is None else image_mask
+            contexts = [list(state.recent_ids) for state in states]
+            batch.engram_rows = self.engram_hash.packed(input_ids, spans, contexts, batch.engram_dead)
+        return batch
+
+
+def _checked_captures(captures, chunks, states) -> list[tuple[int, ...]]:
+    if len(captures) != len(chunks):
+        raise ValueError("need one capture list per chunk")
+    checked = []
+    for positions, chunk, state in zip(captures, chunks, states):
+        positions = tuple(int(p) for p in positions)
+        first, end = state.num_tokens, state.num_tokens + chunk.numel()
+        if list(positions) != sorted(set(positions)) or any(not first < p <= end for p in positions):
+            raise ValueError(f"capture positions {positions} must ascend within ({first}, {end}]")
+        checked.append(positions)
+    return checked

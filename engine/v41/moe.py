@@ -1,0 +1,84 @@
+"""V4.1 mixture of experts: score routing for every layer (no hash layers), one shared expert.
+
+The gate scores in fp32 (sqrt(softplus(logits))); a text token chooses its experts by
+score + `bias`, an image token by score + `bias_vl`. The chosen scores are renormalised and
+scaled by `routed_scaling_factor`. Experts are clamped SwiGLUs computed in fp32; a routed
+expert's weight multiplies its activation before the down projection, and routed outputs add
+up in fp32. Module and parameter names are the released checkpoint's (`w1` gate, `w3` up,
+`w2` down).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.v41.config import V41Config
+
+
+class Expert(nn.Module):
+    def __init__(self, config: V41Config):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.limit = config.swiglu_limit
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 clamped SwiGLU: gate clamped above, up clamped both ways."""
+        gate = self.w1(x).float().clamp(max=self.limit)
+        up = self.w3(x).float().clamp(min=-self.limit, max=self.limit)
+        return F.silu(gate) * up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.activation(x).to(x.dtype))
+
+
+class Gate(nn.Module):
+    def __init__(self, config: V41Config):
+        super().__init__()
+        self.top_k = config.experts_per_token
+        self.scaling = config.routed_scaling_factor
+        if config.scoring_func != "sqrtsoftplus":
+            raise ValueError(f"V4.1 routes with sqrtsoftplus, not {config.scoring_func!r}")
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.register_buffer("bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        self.register_buffer("bias_vl", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] fp32, expert ids [T, k])."""
+        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        bias = self.bias.float().expand_as(scores)
+        if image_mask is not None:
+            bias = torch.where(image_mask[:, None], self.bias_vl.float(), bias)
+        experts = torch.topk(scores + bias, self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, experts
+
+
+class MoE(nn.Module):
+    def __init__(self, config: V41Config):
+        super().__init__()
+        self.gate = Gate(config)
+        self.experts = nn.ModuleList(Expert(config) for _ in range(config.n_routed_experts))
+        self.shared_experts = Expert(config)
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        weights, experts = self.gate(x, image_mask)
+        routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        token_of, slot_weight = order // experts.shape[1], weights.flatten()[order]
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                tokens, w = token_of[start : start + count], slot_weight[start : start + count, None]
+                hidden = (expert.activation(x[tokens]) * w).to(x.dtype)
+                routed.index_add_(0, tokens, expert.w2(hidden).float())
+                start += count
+        return routed.to(x.dtype) + self.shared_experts(x)
