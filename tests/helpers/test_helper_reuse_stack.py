@@ -29,8 +29,7 @@ from ops.control_client import call
 from tests.helpers.test_helper_processes import REPO, wait_until
 from tests.helpers.test_helper_stack import free_port_base, link_model, pid_alive
 
-MODEL = "deepseek-v4-tiny"
-MODEL_DIR = f".epd/models/{MODEL}"
+MODEL = "deepseek-v4-tiny"   # served under its directory's name; V4 here, V4.1 in test_epd_replay
 SPLIT = 1280          # prompt tokens: <= SPLIT -> bucket 0's prefill worker, more -> bucket 1's
 NO_THINKING = {"thinking": {"type": "disabled"}}
 # slot (port offset) of each instance, in the topology's order
@@ -38,7 +37,7 @@ KV_WRITER, SWA_REGISTRY, DECODE_ROUTER, PREFILL_ROUTER, DECODE_WORKER = range(5)
 PREFILL_WORKERS = (5, 6)
 SLOTS = 10
 
-_ENGINE = f"""model_dir = "{MODEL_DIR}"
+_ENGINE = """model_dir = ".epd/models/{model}"
 dtype = "float32"
 num_pages = 512
 max_num_seqs = 8
@@ -46,11 +45,12 @@ max_batched_tokens = 2048
 max_model_len = 8192"""
 
 
-def topology(port_base: int, http_ports: tuple[int, int]) -> str:
+def topology(port_base: int, http_ports: tuple[int, int], model: str = MODEL) -> str:
     at = lambda slot: f"tcp://127.0.0.1:{port_base + slot}"   # noqa: E731
     peers = f'kv_writer = "{at(KV_WRITER)}"\nswa_registry = "{at(SWA_REGISTRY)}"'
-    gateway = f"""model_dir = "{MODEL_DIR}"
-served_model = "{MODEL}"
+    engine = _ENGINE.format(model=model)
+    gateway = f"""model_dir = ".epd/models/{model}"
+served_model = "{model}"
 dtype = "float32"
 context_length = 8192"""
     return f"""[stack]
@@ -87,7 +87,7 @@ name = "decode_worker"
 kind = "decode_worker"
 upstream = "decode_router"
 [service.settings]
-{_ENGINE}
+{engine}
 {peers}
 
 [[service]]
@@ -96,7 +96,7 @@ kind = "prefill_worker"
 replicas = 2
 upstream = "prefill_router"
 [service.settings]
-{_ENGINE}
+{engine}
 kv_store_dir = ".epd/kvstore"
 {peers}
 
@@ -112,7 +112,7 @@ http_bind = "127.0.0.1:{http_ports[0]}"
 name = "cold_worker"
 kind = "unified_worker"
 [service.settings]
-{_ENGINE}
+{engine}
 enable_prefix_cache = false
 
 [[service]]
@@ -132,6 +132,7 @@ class ReuseStack:
     state: dict
     port_base: int
     urls: tuple[str, str]        # the E/P/D gateway, the cold gateway
+    model: str = MODEL           # the served model name (its directory's)
 
     def address(self, slot: int) -> str:
         return f"tcp://127.0.0.1:{self.port_base + slot}"
@@ -179,16 +180,18 @@ class ReuseStack:
 
 
 def up(root: Path, tiny_model_dir: Path) -> ReuseStack:
+    """The stack serving `tiny_model_dir` (V4 or V4.1) under the directory's name."""
     env = {**os.environ, "EPD_RUN_ROOT": str(root / "runs"), "PYTHONPATH": str(REPO)}
     link_model(root, tiny_model_dir)
     base = free_port_base(SLOTS)
     http = free_port_base(2, offset=0)
-    (root / "reuse.toml").write_text(topology(base, (http, http + 1)))
+    (root / "reuse.toml").write_text(topology(base, (http, http + 1), tiny_model_dir.name))
     done = subprocess.run([sys.executable, "-m", "ops.cli", "up", "--detach", "--topology", str(root / "reuse.toml")],
                           cwd=root, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout + done.stderr
     state = json.loads((root / "runs/current/state.json").read_text())
-    return ReuseStack(root, env, state, base, (f"http://127.0.0.1:{http}", f"http://127.0.0.1:{http + 1}"))
+    return ReuseStack(root, env, state, base, (f"http://127.0.0.1:{http}", f"http://127.0.0.1:{http + 1}"),
+                      tiny_model_dir.name)
 
 
 def down(stack: ReuseStack) -> None:
@@ -205,13 +208,16 @@ class Prompts:
     def __init__(self, model_dir: Path):
         from messages.prefix import model_identity
         from services.gateway.adapter import Adapter, AdapterConfig, ServedModel
-        served = ServedModel(MODEL, context_length=8192, tokenizer_path=str(model_dir / "tokenizer.json"))
+        from services.gateway.model_dir import served_encoding
+        self.model = model_dir.name
+        served = ServedModel(self.model, context_length=8192, tokenizer_path=str(model_dir / "tokenizer.json"),
+                             encoding=served_encoding(str(model_dir)))
         self.adapter = Adapter(AdapterConfig(models=(served,)))
         self.model_id = model_identity(model_dir, "float32")
 
     def ids(self, messages: list[dict]) -> list[int]:
         from services.gateway.adapter.errors import Protocol
-        body = {"model": MODEL, "messages": messages, "max_tokens": 1, **NO_THINKING}
+        body = {"model": self.model, "messages": messages, "max_tokens": 1, **NO_THINKING}
         return self.adapter.prepare(Protocol.CHAT, json.dumps(body).encode()).prompt_ids
 
     def hashes(self, ids: list[int]) -> list[bytes]:

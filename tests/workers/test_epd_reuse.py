@@ -15,7 +15,7 @@ import pytest
 import tokenizers
 
 from messages.prefix import BLOCK_TOKENS as BLOCK
-from tests.helpers.test_helper_reuse_stack import (DECODE_WORKER, MODEL, NO_THINKING, PREFILL_WORKERS, SPLIT, Prompts, down,
+from tests.helpers.test_helper_reuse_stack import (DECODE_WORKER, NO_THINKING, PREFILL_WORKERS, SPLIT, Prompts, down,
                                                    up)
 
 pytestmark = pytest.mark.slow   # starts service processes
@@ -48,7 +48,7 @@ def user(content: str) -> list[dict]:
 
 def chat(stack, messages, request_id: str, *, cold: bool = False, max_tokens: int = 16, **kw):
     return stack.client(cold).chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens, extra_body=NO_THINKING,
+        model=stack.model, messages=messages, temperature=0, max_tokens=max_tokens, extra_body=NO_THINKING,
         extra_headers={"x-request-id": request_id}, **kw)
 
 
