@@ -30,6 +30,13 @@ ours time), `x floor` = ours time / floor time. Cells that do not fit the page p
 memory, or would overrun `--budget-s` are marked as such. `--json FILE` is rewritten after every
 measurement (`complete: false` until the end), so a cut-off run still leaves its numbers.
 
+DeepSeek V4.1 (a config whose model_type is deepseek_v41, e.g. `--config bench-v41`): the weights are
+drawn in the RELEASED formats (FP8 32x32 / MXFP4 / FP8 Engram tables with e8m0 scales) and go through
+our own loader and dequantizers (engine_weights_v41.py); HF is not run (transformers has no V4.1
+model), its rows say so; the decode floor is given twice (engine_floor_v41.py): `floor` counts the
+weights as our engine holds them today (dequantized) and `floor q` the release's quantized bytes.
+`--layers N` keeps a V4.1 config's first N layers.
+
 Where each part lives (all under ops/bench/):
 
   engine.py          the command: options, the order of the run (this file)
@@ -42,6 +49,7 @@ Where each part lives (all under ops/bench/):
   engine_hf.py       HF: the agreement check, eager prefill + decode on its cache, OOM as a result
   engine_hf_model.py HF's DeepseekV4ForCausalLM built on our tensors (shared storage)
   engine_report.py   the tables, notes and the summary (vs HF, x floor)
+  engine_weights_v41.py, engine_floor_v41.py   V4.1: released-format weights drawn in place, two floors
 """
 from __future__ import annotations
 
@@ -53,11 +61,14 @@ from pathlib import Path
 
 from ops.bench.engine_device import _device_name, _free, _transformers_version, measure_rates
 from ops.bench.engine_floor import floor_row
+from ops.bench.engine_floor_v41 import floor_row_v41
 from ops.bench.engine_hf import HF
 from ops.bench.engine_ours import Ours
-from ops.bench.engine_plan import FULL, QUICK, Prompts, Run, make_plan, plan_cells
+from ops.bench.engine_plan import FULL, QUICK, Cell, Prompts, Run, make_plan, plan_cells
 from ops.bench.engine_report import print_report, summarize
 from ops.bench.engine_weights import draw_model, weight_bytes, write_config_dir
+from ops.bench.engine_weights_v41 import (HF_NOT_RUN, draw_v41_model, is_v41_raw, sanity_check, v41_weight_bytes,
+                                          with_layers, write_v41_model_dir)
 
 __all__ = ["FULL", "QUICK", "add_arguments", "main", "register", "run"]  # FULL, QUICK: the presets, read by tests
 
@@ -85,6 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine tokens per step while prefilling (default 8192)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run our decode steps eagerly (batched) instead of replaying CUDA graphs")
+    parser.add_argument("--layers", type=int, help="V4.1 configs: keep only the first N decoder layers")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="skip measurements that would end the run later than this (default 450 s)")
 
@@ -108,11 +120,23 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    from engine.model.config import load_config, read_config_dict
+    from engine.model.config import read_config_dict
     from engine.model.loader import parse_dtype
-    raw, config, dtype = read_config_dict(args.config), load_config(args.config), parse_dtype(args.dtype)
+    raw, dtype = read_config_dict(args.config), parse_dtype(args.dtype)
+    v41 = is_v41_raw(raw)
+    if args.layers is not None and not v41:
+        print("epd bench engine: --layers applies to V4.1 configs only", file=sys.stderr)
+        return 2
+    if v41:
+        from engine.v41.config import load_v41_config
+        raw = with_layers(raw, args.layers)
+        config = load_v41_config(raw)
+    else:
+        from engine.model.config import load_config
+        config = load_config(args.config)
     bench = Run(args)
-    bench.doc = {"config": args.config, "device": str(device), "device_name": _device_name(device),
+    bench.doc = {"config": args.config, "arch": "v4.1" if v41 else "v4", "layers": config.num_layers,
+                 "device": str(device), "device_name": _device_name(device),
                  "dtype": args.dtype, "seed": args.seed, "plan": {k: list(v) if isinstance(v, tuple) else v
                                                                   for k, v in plan.items()},
                  "max_batched_tokens": args.max_batched_tokens, "torch": torch.__version__,
@@ -124,25 +148,42 @@ def run(args: argparse.Namespace) -> int:
     bench.log(f"copy rate {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
               f"matmul {rates['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({args.dtype})")
 
-    start = time.monotonic()
-    model = draw_model(config, device, dtype, args.seed)
-    weights = weight_bytes(model)
-    bench.doc["weights"] = {**weights, "draw_s": round(time.monotonic() - start, 1)}
-    bench.log(f"weights drawn on {device}: {weights['total'] / 2**30:.1f} GiB "
-              f"(dense {weights['dense'] / 1e9:.2f} GB, {weights['expert'] / 1e6:.1f} MB per expert) "
-              f"in {time.monotonic() - start:.1f} s")
-
     cells = plan_cells(plan)
-    bench.doc["floors"] = [floor_row(config, model, weights, rates, cell) for cell in cells]
     prompts = Prompts(config.vocab_size, args.seed)
     with tempfile.TemporaryDirectory(prefix="epd-bench-engine-") as tmp:
-        model_dir = write_config_dir(raw, config, dtype, Path(tmp) / f"{Path(str(args.config)).stem}-random")
+        model_dir = Path(tmp) / f"{Path(str(args.config)).stem}-random"
+        start = time.monotonic()
+        if v41:  # released formats drawn in place, through our loader (config.json + tokenizer.json only)
+            model = draw_v41_model(write_v41_model_dir(raw, config, model_dir), device, dtype, args.seed)
+            weights = v41_weight_bytes(model)
+        else:
+            model = draw_model(config, device, dtype, args.seed)
+            weights = weight_bytes(model)
+            write_config_dir(raw, config, dtype, model_dir)
+        bench.doc["weights"] = {**weights, "draw_s": round(time.monotonic() - start, 1)}
+        bench.log(f"weights drawn on {device}: {weights['total'] / 2**30:.1f} GiB "
+                  f"(dense {weights['dense'] / 1e9:.2f} GB, {weights['expert'] / 1e6:.1f} MB per expert) "
+                  f"in {time.monotonic() - start:.1f} s")
+        if v41:
+            released = weights["released"]
+            bench.log(f"as released: {released['total'] / 2**30:.1f} GiB (dense {released['dense'] / 1e9:.2f} GB, "
+                      f"{released['expert'] / 1e6:.1f} MB per expert); Engram tables "
+                      f"{weights['engram_table_host_bytes'] / 2**30:.2f} GiB in host memory")
+            bench.doc["floors"] = [floor_row_v41(config, weights, rates, cell) for cell in cells]
+            bench.doc["sanity"] = sanity_check(model, prompts.batch(Cell(1, 64), salt=2)[0])
+            bench.log(f"one 64-token prompt: {bench.doc['sanity']}")
+        else:
+            bench.doc["floors"] = [floor_row(config, model, weights, rates, cell) for cell in cells]
         ours = Ours(bench, model, model_dir, device, plan, cells, args.max_batched_tokens, prompts)
         big = max(cells, key=lambda c: c.batch * c.context)
         ours.measure([c for c in cells if c != big])
         ours.release_graphs()  # their memory pools would otherwise be taken from HF
         _free(device)
-        if not args.skip_hf:
+        if v41:  # said in every HF row, the notes and the JSON
+            bench.doc["hf"] = HF_NOT_RUN
+            for cell in cells:
+                bench.add({"impl": "hf", "batch": cell.batch, "context": cell.context, "status": HF_NOT_RUN})
+        elif not args.skip_hf:
             HF(bench, model, raw, config, device, dtype, plan, prompts).measure(cells)
         _free(device)
         ours.measure([big])

@@ -22,6 +22,9 @@ def summarize(rows: list[dict], floors: list[dict], cells: list[Cell], plan: dic
                             floor=round(f["decode_floor_ms"], 3))
                 line["vs_hf"] = _ratio(line["hf"], line["ours"])
                 line["x_floor"] = _ratio(line["ours"], line["floor"])
+                if "decode_floor_ms_released" in f:  # V4.1: the floor of the release's formats too
+                    line["floor_released"] = round(f["decode_floor_ms_released"], 3)
+                    line["x_floor_released"] = _ratio(line["ours"], line["floor_released"])
             else:
                 line.update(unit="tokens/s", ours=_value(ours, "prefill_tokens_per_s"),
                             hf=_value(hf, "prefill_tokens_per_s"), floor=round(f["prefill_floor_tokens_per_s"], 1))
@@ -35,6 +38,8 @@ def _value(row: dict | None, key: str):
     if row is None:
         return "not run"
     status = row.get("status", "?")
+    if status.startswith("n/a"):   # HF on a V4.1 config: there is no HF model to run
+        return "n/a"
     if status != "ok":   # the short form; the row in the JSON (and the table above) has the whole reason
         return next((short for prefix, short in (("OOM", "OOM"), ("not run (RAM)", "not run (RAM)"),
                                                   ("skipped", "skipped (time)"),
@@ -64,17 +69,32 @@ def print_report(bench: Run, summary: list[dict]) -> None:
              f"{doc['weights']['expert'] / 1e6:.1f} MB per touched expert per layer",
              f"copy rate {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), matmul "
              f"{rates['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s"]
+    released = doc["weights"].get("released")
+    if released:  # V4.1
+        notes.append(f"released formats: {released['total'] / 2**30:.1f} GiB (dense {released['dense'] / 1e9:.2f} GB + "
+                     f"{released['expert'] / 1e6:.1f} MB per touched expert per layer); Engram tables "
+                     f"{doc['weights']['engram_table_host_bytes'] / 2**30:.2f} GiB FP8 in host memory "
+                     f"(pinned: {doc['weights']['engram_tables_pinned']})")
+    if doc.get("hf"):
+        notes.append(f"HF: {doc['hf']}")
     if "hf_weights" in doc:
         notes.append(f"HF shares {doc['hf_weights']['shared_bytes'] / 2**30:.2f} GiB of our tensors; "
                      f"agreement on one prompt: {agreement}")
     print("\n" + "\n".join(notes), flush=True)
     table = [[f"{s['measure']} {s['unit']}", s["batch"], s["context"], _fmt(s["ours"]), _fmt(s["hf"]),
               _fmt(s["floor"]), _x(s["vs_hf"]), _x(s["x_floor"])] for s in summary]
+    headers = ["measure", "batch", "context", "ours", "HF", "floor", "vs HF", "x floor"]
+    if released:  # V4.1: the decode floor of the release's formats and ours against it
+        headers += ["floor q", "x floor q"]
+        table = [row + [_fmt(s.get("floor_released")), _x(s.get("x_floor_released"))] for row, s in zip(table, summary)]
     title = (f"\nepd bench engine: {doc['config']} on {doc['device_name']}, {doc['dtype']}, "
              f"torch {doc['torch']}, transformers {doc['transformers']}; "
              "vs HF = times faster than HF; x floor = times the floor (decode: bytes / copy rate; "
              "prefill: active-weight FLOPs / matmul rate)")
-    print_table(["measure", "batch", "context", "ours", "HF", "floor", "vs HF", "x floor"], table, title=title)
+    if released:
+        title += ("; floor = weights as our engine holds them today (dequantized), floor q = the release's "
+                  "quantized bytes (FP8/MXFP4 + scales, quantized caches)")
+    print_table(headers, table, title=title)
 
 
 def _fmt(value):
