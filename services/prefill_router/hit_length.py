@@ -7,8 +7,10 @@ is needed at the boundary where prefill resumes, so:
      which the prefill router routes with (swa_probe);
   2. if the window [probe - 128, probe] is found (the prefill worker's own, or a holder's through
      the SWA registry), the hit is the probe; otherwise the worker backs off one block:
-     hit = probe - 128 (services/workers/prefix_load.py). Until bounded replay exists, a worker
-     needs the window there too, so it asks for both boundaries in its one fetch.
+     hit = probe - 128 (services/workers/prefix_load.py). A V4 worker needs the window there too,
+     so it asks for both boundaries in its one fetch; a V4.1 worker (bounded replay, seed 003)
+     takes the pages up to the probe without any window and recomputes their last block, so its
+     hit is probe - 128 whether or not L1 - 128's window exists: the same number either way.
 All functions are pure; bad input raises ValueError.
 """
 from __future__ import annotations
@@ -37,7 +39,8 @@ def swa_probe(prompt_len: int, kv_hit_tokens: int) -> int:
 
 
 def hit_length(prompt_len: int, kv_hit_tokens: int, swa_at_probe: bool) -> int:
-    """Tokens to load: the probe when its SWA window is registered, else one block less."""
+    """Tokens not computed: the probe when its SWA window is registered, else one block less (the
+    L1 - 128 window, or for V4.1 a replay of the probe's last block)."""
     probe = swa_probe(prompt_len, kv_hit_tokens)
     if probe == 0 or swa_at_probe:
         return probe
