@@ -45,6 +45,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped by the pool)
     swa_cache_bytes: int = 1 << 30  # host memory for window + tail states saved at cached block boundaries
     bounded_replay: bool = True  # V4.1: a prefix hit without a saved window replays its last block (kv/manager.py)
+    replay_trim: bool = True  # V4.1: a replay runs the layers above the last KV source on its last 128 rows only
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA devices only; eager otherwise)
     # CPU threads of this process's torch ops; 0 leaves torch's default (one per core). Engines that
     # share a machine (a prefill and a decode worker) each want their share: oversubscribed OpenMP
@@ -121,7 +122,8 @@ class EngineCore:
         limit = config.max_model_len or model_config.max_position_embeddings
         self.max_len = min(limit, model_config.max_position_embeddings, config.num_pages * BLOCK_TOKENS)
         self.kv = KVCache(model_config, config.num_pages, config.max_num_seqs, self.model.device, self.model.dtype,
-                          config.enable_prefix_cache, config.swa_cache_bytes, BLOCK_TOKENS, config.bounded_replay)
+                          config.enable_prefix_cache, config.swa_cache_bytes, BLOCK_TOKENS, config.bounded_replay,
+                          config.replay_trim)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_batched_tokens, self.max_len,
                                    model_config.eos_token_id, config.batch_invariant)
         self.runner = ModelRunner(self.model, self.kv, config.batch_invariant)

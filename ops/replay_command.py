@@ -1,7 +1,9 @@
 """`epd replay-check`: the seeds' two-level equivalence check of bounded replay (V4.1 models).
 
 Level 1 (metadata) must hold exactly; level 2 prints how far replay's teacher-forced log-probs are
-from a full recompute, against the pass marks in engine.v41.replay_check.THRESHOLDS.
+from a full recompute, against the pass marks in engine.v41.replay_check.THRESHOLDS. Replay is
+trimmed as the engine runs it (T = max(H - 128, L - 128): the upper layers' first row); level 2
+compares the rows with logits, and shows replay without trim and no replay on the same rows.
 """
 
 from __future__ import annotations
@@ -39,15 +41,17 @@ def cmd_replay_check(args: argparse.Namespace) -> int:
     for name in names:
         held = sum(c.metadata[name] for c in checks)
         level1 &= held == len(checks)
-        print(f"  {'ok  ' if held == len(checks) else 'FAIL'} {name:48s} {held}/{len(checks)}")
+        print(f"  {'ok  ' if held == len(checks) else 'FAIL'} {name:54s} {held}/{len(checks)}")
     print("\nlevel 2 (teacher-forced logprobs)")
-    print(f"  {'rows':26s} {'n':>5s} {'mean|d|':>9s} {'max|d|':>9s} {'top-1':>7s} {'top-5':>7s}")
+    header = f"{'n':>5s} {'mean|d|':>9s} {'max|d|':>9s} {'top-1':>7s} {'top-5':>7s}"
+    print(f"  {'rows (T = max(H-128, L-128))':34s} {header}")
     replayed = Agreement.pooled([c.replayed for c in checks])
     after = Agreement.pooled([c.after for c in checks])
+    untrimmed = Agreement.pooled([c.untrimmed for c in checks])
     no_replay = Agreement.pooled([c.no_replay for c in checks])
-    for label, a in (("replayed [H-128, H)", replayed), ("after the hit [H, L-1)", after),
-                     ("  no replay, same rows", no_replay)):
-        print(f"  {label:26s} {a.rows:5d} {a.mean_abs:9.4f} {a.max_abs:9.4f} {a.top1:7.3f} {a.top5:7.3f}")
+    for label, a in (("replayed [T, H)", replayed), ("after the hit [max(H, T), L-1)", after),
+                     ("  replay without trim, same rows", untrimmed), ("  no replay, same rows", no_replay)):
+        print(f"  {label:34s} {a.rows:5d} {a.mean_abs:9.4f} {a.max_abs:9.4f} {a.top1:7.3f} {a.top5:7.3f}")
     ratio = after.mean_abs / no_replay.mean_abs if no_replay.mean_abs else 0.0
     print(f"  after the hit, replay / no replay mean|d|: {ratio:.3f} "
           f"(pass: <= {THRESHOLDS['mean_abs_vs_no_replay']}, and top-1 not below no replay's)")

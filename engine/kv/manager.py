@@ -11,6 +11,9 @@ Bounded replay (V4.1; seed 003, vLLM's `swa_bounded_replay`): when the pages rea
 any saved window, the sequence takes all the pages and recomputes the last block's 128 tokens to
 rebuild the window, each token's window clamped at the replay start; the cached compressed pages
 are not rewritten (`PagedState.frozen_until`). Approximate by design: `epd replay-check` measures it.
+With `replay_trim` (the decoder side of seed 003) the layers above the last KV source run only on the
+prompt's last `window` rows (`PagedState.trim_from`; their windows start there), and no boundary
+state of that prefill is saved: its upper windows serve this request's decode, never the prefix cache.
 """
 
 from __future__ import annotations
@@ -51,10 +54,14 @@ class Restored:
 class KVCache:
     def __init__(self, config: ModelConfig, num_pages: int, num_slots: int, device, dtype: torch.dtype,
                  enable_prefix_cache: bool = True, boundary_cache_bytes: int = 1 << 30, block_size: int = BLOCK_TOKENS,
-                 bounded_replay: bool = True):
+                 bounded_replay: bool = True, replay_trim: bool = True):
         self.config, self.block_size = config, block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.replay = bounded_replay and getattr(config, "supports_bounded_replay", False)
+        # layers a trimmed replay runs on its last `window` rows only: those above the last KV source
+        last_source = getattr(config, "last_kv_source", -1)
+        trims = self.replay and replay_trim and last_source >= 0
+        self.trimmed_layers = range(last_source + 1, config.num_layers) if trims else range(0)
         self.layout = PageLayout.from_config(config, block_size)
         self.pool = PagePool(self.layout, num_pages, device, dtype)
         self.blocks = BlockManager(num_pages)
@@ -109,6 +116,10 @@ class KVCache:
         if hit.replay_end:
             state.num_tokens, state.frozen_until = hit.tokens, hit.replay_end
             self.slots.set_start(state.slot, hit.tokens)  # windows hold nothing before the replay start
+            if self.trimmed_layers:  # a replay is a prompt prefill: it ends at len(token_ids)
+                end = len(seq.token_ids)
+                state.trim_from, state.trim_end = max(hit.tokens, end - self.config.sliding_window), end
+                self.slots.set_start(state.slot, state.trim_from, self.trimmed_layers)
         context = self.config.engram_context  # ids the next token's n-grams look back at (V4.1)
         state.recent_ids = list(seq.token_ids[max(0, hit.tokens - context) : hit.tokens]) if context else []
         seq.state, seq.num_computed, seq.restored = state, hit.tokens, None
@@ -131,10 +142,11 @@ class KVCache:
 
     # ---- after a forward --------------------------------------------------------------------
     def capture_positions(self, seq, num_new: int) -> tuple[int, ...]:
-        """Block boundaries the next `num_new` tokens reach whose state is not saved yet."""
+        """Block boundaries the next `num_new` tokens reach whose state is not saved yet (none up to
+        the end of a trimmed replay prefill)."""
         if not self.enable_prefix_cache:
             return ()
-        first = seq.num_computed // self.block_size + 1
+        first = max(seq.num_computed, seq.state.trim_end) // self.block_size + 1
         last = (seq.num_computed + num_new) // self.block_size
         return tuple(b * self.block_size for b in range(first, last + 1)
                      if seq.block_hashes[b - 1] not in self.boundaries)

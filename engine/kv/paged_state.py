@@ -21,6 +21,9 @@ class PagedState:
         self.config, self.pool, self.slots, self.rings, self.slot = config, pool, slots, rings, slot
         self.num_tokens = 0
         self.frozen_until = 0  # bounded replay: compressed KV of tokens before this is cached; never rewritten
+        # trimmed replay (KVCache.admit): rows before trim_from skip the layers above the last KV source,
+        # and no boundary up to trim_end (the prompt's end) is saved: upper windows there are cut at trim_from
+        self.trim_from = self.trim_end = 0
         self.recent_ids: list[int] = []  # the last `config.engram_context` token ids (V4.1's Engram looks back)
         self.page_table: list[int] = []
         self.captured: dict[int, list] = {}  # boundary -> per layer (window, tail, index tail) copies

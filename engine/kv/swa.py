@@ -24,7 +24,10 @@ class SwaSlots:
         self.scratch = num_slots  # one ring more, never allocated: padded rows of a decode batch write there
         self.rings = torch.zeros(num_slots + 1, num_layers, window, head_dim, device=device, dtype=dtype)
         self.free = list(range(num_slots - 1, -1, -1))
-        self.start = [0] * (num_slots + 1)  # per slot: the first position its rings hold (a replay's start)
+        self.num_layers = num_layers
+        # per slot, per layer: the first position its ring holds (a replay's start; above the last KV
+        # source, a trimmed replay's start of the upper layers)
+        self.start = [[0] * num_layers for _ in range(num_slots + 1)]
 
     @property
     def num_free(self) -> int:
@@ -34,12 +37,15 @@ class SwaSlots:
         if not self.free:
             raise MemoryError("no free sliding-window slot")
         slot = self.free.pop()
-        self.start[slot] = 0
+        self.start[slot] = [0] * self.num_layers
         return slot
 
-    def set_start(self, slot: int, position: int) -> None:
-        """The slot's windows hold nothing before `position` (bounded replay restarts there)."""
-        self.start[slot] = position
+    def set_start(self, slot: int, position: int, layers=None) -> None:
+        """The slot's windows of `layers` (default: all) hold nothing before `position` (bounded
+        replay restarts there; a trimmed replay's upper layers start later still)."""
+        starts = self.start[slot]
+        for layer in range(self.num_layers) if layers is None else layers:
+            starts[layer] = position
 
     def deallocate(self, slot: int) -> None:
         if slot in self.free:
@@ -47,11 +53,11 @@ class SwaSlots:
         self.free.append(slot)
 
     def read(self, slot: int, layer: int, position: int) -> torch.Tensor:
-        """KV of positions [max(slot start, position - window), position), oldest first (a copy or a view)."""
+        """KV of positions [max(layer start, position - window), position), oldest first (a copy or a view)."""
         ring = self.rings[slot, layer]
-        first = self.start[slot]
+        first = self.start[slot][layer]
         if first and first > position - self.window:
-            rows = torch.arange(first, position, device=ring.device) % self.window
+            rows = torch.arange(first, max(first, position), device=ring.device) % self.window
             return ring.index_select(0, rows)
         if position <= self.window:
             return ring[:position]

@@ -101,8 +101,10 @@ class Attention(nn.Module):
 
     def _attend_sequence(self, q, kv, span: dict, state: SequenceKV, selection: Selection, captures) -> torch.Tensor:
         """One sequence's new tokens, in pieces cut at the capture positions (attention is causal,
-        so pieces in order give what one piece gives); the state captures itself at each cut."""
-        first = state.num_tokens
+        so pieces in order give what one piece gives); the state captures itself at each cut. They
+        start at the selection's first position: the state's length, or later in the rows a
+        trimmed replay keeps (engine.v41.sub_batch)."""
+        first = selection.first
         out, lo = torch.empty_like(q), 0
         for cut in (*(c - first for c in captures), None):
             stop = q.shape[0] if cut is None else cut

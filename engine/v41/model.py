@@ -6,6 +6,10 @@ advanced in place. Module names are the released checkpoint's (`embed`, `layers.
 `layers.N.hc_attn_fn`, `head`, ...), so a dequantized checkpoint loads with `load_state_dict`.
 
 Per block: [Engram] -> attention site -> FFN site, with single-pass mHC (`engine.v41.hyper`).
+
+A trimmed replay (a state with `trim_from`, set by engine/kv/manager.py) runs the layers above the
+last KV source only on its rows at or after `trim_from` (`engine.v41.sub_batch`); the others get
+zero logits.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from engine.v41.engram import Engram
 from engine.v41.engram_hash import NgramHasher
 from engine.v41.moe import MoE
 from engine.v41.rope import V41Rotary
+from engine.v41.sub_batch import SubBatch, select_rows, trimmed_rows
 
 # Parameters the release keeps in fp32 whatever the model dtype (suffix match on the name);
 # norms stay fp32 as in our V4 (a bf16 checkpoint value converts exactly).
@@ -113,26 +118,53 @@ class DeepseekV41(nn.Module):
         token of every chunk [B, vocab], or of every token packed in chunk order [sum(len), vocab].
         captures[i]: ascending absolute positions in (num_tokens, num_tokens + len] where state i
         captures its windows and tails. image_masks[i]: bool per token of chunk i, True for image
-        tokens (routed with `bias_vl`).
+        tokens (routed with `bias_vl`). Rows a trimmed replay leaves out of the upper layers get zero
+        logits (a chunk whose last row is one of them, a zero row); such a chunk captures nothing.
         """
         if len(chunks) != len(states) or not chunks:
             raise ValueError("need one state per chunk and at least one chunk")
         batch = self._pack(chunks, states, image_masks)
         if captures is not None:
             batch.captures = _checked_captures(captures, chunks, states)
+        skips = trimmed_rows(batch) if self.config.last_kv_source >= 0 else None
+        if skips is not None and any(skip and batch.captures and batch.captures[i] for i, skip in enumerate(skips)):
+            raise ValueError("a chunk with trimmed replay rows cannot capture a boundary (its upper windows are cut)")
+        spans, kept = batch.spans, None
         streams = self.embed(batch.input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         pre = hyper.first_pre(streams.shape[0], self.config, streams.device)
-        for block in self.layers:
+        for layer, block in enumerate(self.layers):
+            # above the last KV source nothing cached reads the trimmed rows: drop them there
+            if skips is not None and layer == self.config.last_kv_source + 1:
+                kept = select_rows(batch, skips)
+                if not kept.members:
+                    break
+                batch, streams, pre = kept.batch, streams[kept.rows], pre[kept.rows]
             streams, pre = block(streams, pre, batch)
-        hidden = self.norm(hyper.collapse(streams, pre))
-        if not all_logits:
-            hidden = hidden[torch.tensor([end - 1 for _, end in batch.spans], device=hidden.device)]
         context = self.config.engram_context
         for state, chunk in zip(states, chunks):
             state.num_tokens += chunk.numel()
             if context:
                 state.recent_ids = (list(state.recent_ids) + chunk.tolist())[-context:]
+        if kept is not None:
+            return self._trimmed_logits(streams, pre, kept, spans, all_logits)
+        hidden = self.norm(hyper.collapse(streams, pre))
+        if not all_logits:
+            hidden = hidden[torch.tensor([end - 1 for _, end in batch.spans], device=hidden.device)]
         return self.head(hidden.float())
+
+    def _trimmed_logits(self, streams, pre, kept: SubBatch, spans, all_logits: bool) -> torch.Tensor:
+        """Logits of the rows that ran every layer, zeros for the others (as forward returns them)."""
+        out = torch.zeros(spans[-1][1] if all_logits else len(spans), self.config.vocab_size,
+                          device=self.device, dtype=torch.float32)
+        if not kept.members:
+            return out
+        if all_logits:
+            out[kept.rows] = self.head(self.norm(hyper.collapse(streams, pre)).float())
+            return out
+        last = torch.tensor([end - 1 for _, end in kept.batch.spans], device=streams.device)
+        hidden = self.norm(hyper.collapse(streams[last], pre[last]))
+        out[torch.tensor(kept.members, device=out.device)] = self.head(hidden.float())
+        return out
 
     def _pack(self, chunks, states, image_masks) -> V41Batch:
         device, spans, positions, selections, start = self.device, [], [], [], 0
