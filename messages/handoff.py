@@ -35,6 +35,8 @@ class KVSnapshot(msgspec.Struct, array_like=True, gc=False):
     block_hashes: list[bytes] = []   # chain hash of each full block of those tokens
     roles: list[int] = []            # BufferRole of each buffer, in buffer order
     num_cached_tokens: int = 0       # prompt tokens the sender took from its prefix cache (usage)
+    window_cacheable: bool = True    # False: the window came out of a trimmed replay prefill (V4.1,
+                                     # seed 003): the receiver continues from it but never caches it
 
 
 @register(0x0401)

@@ -41,6 +41,7 @@ class Hit:
     boundary: BoundaryState | None = None
     page_data: torch.Tensor | None = None  # restored pages [n, page_numel], copied into new pages
     replay_end: int = 0  # bounded replay: the pages cover [0, replay_end); tokens = replay_end - 128
+    window_cacheable: bool = True  # a hand-off's window may enter the prefix cache (see Restored)
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class Restored:
 
     page_data: torch.Tensor
     boundary: BoundaryState
+    window_cacheable: bool = True  # False: from a trimmed replay prefill; continue from it, never cache it
 
 
 class KVCache:
@@ -74,7 +76,7 @@ class KVCache:
         """Where `seq` (waiting) can start: its hand-off, else its longest usable cached prefix."""
         if seq.restored is not None:
             r = seq.restored
-            return Hit(r.boundary.num_tokens, (), r.boundary, r.page_data)
+            return Hit(r.boundary.num_tokens, (), r.boundary, r.page_data, window_cacheable=r.window_cacheable)
         if not self.enable_prefix_cache:
             return Hit()
         usable_blocks = (len(seq.token_ids) - 1) // self.block_size
@@ -107,7 +109,7 @@ class KVCache:
         state.page_table += self._allocate(max(0, self._pages_for(hit.tokens + num_new) - len(hit.pages)))
         if hit.page_data is not None:
             self.pool.write_pages(state.page_table[: hit.page_data.shape[0]], hit.page_data)
-            if self.enable_prefix_cache and hit.tokens % self.block_size == 0:  # a hand-off at a boundary
+            if self.enable_prefix_cache and hit.tokens % self.block_size == 0 and hit.window_cacheable:  # at a boundary
                 b = hit.boundary
                 saved = BoundaryState(b.num_tokens, b.windows.clone(), b.tails.clone())
                 self.boundaries.put(seq.block_hashes[hit.tokens // self.block_size - 1], saved)

@@ -34,7 +34,8 @@ def make_snapshot(kv: KVCache, seq) -> tuple[KVSnapshot, list[torch.Tensor]]:
     header = KVSnapshot(
         model_id=seq.model_id, layout_version=KV_LAYOUT_VERSION, block_size=block_size, num_tokens=num_tokens,
         block_hashes=list(seq.block_hashes[: num_tokens // block_size]), roles=[int(r) for r in ROLES],
-        num_cached_tokens=seq.num_cached_tokens)
+        num_cached_tokens=seq.num_cached_tokens,
+        window_cacheable=not (state.trim_end and num_tokens <= state.trim_end))
     return header, [pages, boundary.windows.cpu().contiguous(), boundary.tails.cpu().contiguous()]
 
 
@@ -63,7 +64,7 @@ def parse_snapshot(kv: KVCache, model_id: str, snapshot: KVSnapshot, buffers, bl
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise ValueError(f"snapshot {name} buffer is {tensor.dtype}{list(tensor.shape)}, "
                              f"expected {dtype}{list(shape)}")
-    return Restored(pages, BoundaryState(num_tokens, windows, tails.reshape(-1)))
+    return Restored(pages, BoundaryState(num_tokens, windows, tails.reshape(-1)), snapshot.window_cacheable)
 
 
 def make_boundary_snapshot(kv: KVCache, model_id: str, block_hash: bytes,

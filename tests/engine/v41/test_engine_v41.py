@@ -94,3 +94,26 @@ def test_a_hit_without_windows_replays_its_last_block(v41_dir):
     assert all(check.metadata.values()), check.metadata
     assert check.after.rows == 300 - 256 - 1
     assert check.after.mean_abs < check.no_replay.mean_abs   # replay beats resuming without windows
+
+
+def test_a_window_from_a_trimmed_replay_prefill_crosses_a_handoff_but_is_never_cached(v41_dir):
+    """Seed 003: what a trimmed replay computes is used for decode, never put in a prefix cache;
+    that holds on the decode side of a P->D hand-off too (KVSnapshot.window_cacheable)."""
+    prompt = make_prompt(384, 2).tolist()
+    prefill = engine(v41_dir)
+    prefill.add_request(EngineRequest("cached", prompt[:300], greedy_params(1)))
+    run_engine(prefill)
+    prefill.kv.boundaries.states.clear()          # the windows expire; the pages stay
+    prefill.kv.boundaries.used_bytes = 0
+    prefill.add_request(EngineRequest("moving", prompt, greedy_params(NEW_TOKENS)), prefill_only=True)
+    first = run_engine(prefill)["moving"]
+    assert first.last.prefilled and first.last.num_cached_tokens == 128   # a replay of block 1
+    snapshot, buffers = prefill.snapshot("moving")
+    assert snapshot.num_tokens == 384 and not snapshot.window_cacheable
+    restored, snapshot, tensors, generated = over_the_wire(
+        EngineRequest("moving", prompt, greedy_params(NEW_TOKENS)), snapshot, buffers, first.tokens)
+    decode = engine(v41_dir)
+    decode.restore(restored, snapshot, tensors, generated)
+    produced = run_engine(decode)["moving"].tokens
+    assert len(first.tokens + produced) == NEW_TOKENS
+    assert len(decode.kv.boundaries) == 0   # the trimmed window at 384 was not cached
