@@ -31,7 +31,7 @@ class GatewaySettings:
     http_bind: str = "127.0.0.1:8000"
     model_dir: str = ""                  # tokenizer.json and config.json of the served model
     dtype: str = ""                      # the workers' dtype (part of the block-hash model identity); "" = the model's
-    served_model: str = "deepseek-v41-tiny"
+    served_model: str = ""            # the API's model name; "" = the model directory's name
     encoding: str = ""                   # "" = the model dir's (config.json model_type); "v4" | "v4.1"
                                          # must agree with the model dir (checked at start)
     context_length: int = 0              # 0 = the model's max_position_embeddings
@@ -86,7 +86,8 @@ class GatewayService(Service):
         context = s.context_length or context_length(s.model_dir)
         encoding = served_encoding(s.model_dir, s.encoding)
         tokenizer = str(Path(s.model_dir) / "tokenizer.json") if s.model_dir else ""
-        model = ServedModel(s.served_model, context_length=context, encoding=encoding,
+        served = s.served_model or (Path(s.model_dir).name if s.model_dir else "deepseek-v4-tiny")  # no dir: V4 tokenizer
+        model = ServedModel(served, context_length=context, encoding=encoding,
                             tokenizer_path=tokenizer, max_output_tokens=s.max_output_tokens)
         loop = asyncio.get_running_loop()
         self.adapter = await loop.run_in_executor(
@@ -96,7 +97,7 @@ class GatewayService(Service):
         self.pool = ThreadPoolExecutor(s.tokenize_threads, thread_name_prefix="tokenize")
         self.http_runner = await start_http(self)
         self.in_background(watch_workers(self), "worker_watch.failed")
-        self.log.info("gateway.listening", http=f"http://{s.http_bind}", model=s.served_model, model_id=self.model_id,
+        self.log.info("gateway.listening", http=f"http://{s.http_bind}", model=served, model_id=self.model_id,
                       encoding=encoding, context_length=context, upstream=self.config.upstream)
 
     async def on_stop(self) -> None:
