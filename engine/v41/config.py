@@ -12,12 +12,12 @@ Layers after the candidate source select within its candidate blocks.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.model.config import read_config_dict   # the same lookup as V4's: name, file or directory
+
 MODEL_TYPE = "deepseek_v41"
-BUNDLED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 SWA, SOURCE, REINDEX, REUSE = "swa", "source", "reindex", "reuse"
 
@@ -170,14 +170,7 @@ def is_v41(raw: dict) -> bool:
 
 def load_v41_config(name_or_path: str | Path | dict) -> V41Config:
     """A parsed dict, a bundled config name (`tiny-v41`), a JSON file, or a model directory."""
-    if isinstance(name_or_path, dict):
-        return V41Config.from_dict(name_or_path)
-    path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    elif not path.exists() and (BUNDLED_CONFIGS / f"{name_or_path}.json").exists():
-        path = BUNDLED_CONFIGS / f"{name_or_path}.json"
-    return V41Config.from_dict(json.loads(path.read_text()))
+    return V41Config.from_dict(name_or_path if isinstance(name_or_path, dict) else read_config_dict(name_or_path))
 
 
 def _parse(raw: dict) -> V41Config:

@@ -27,7 +27,8 @@ import torch
 from engine.quant.fp8_blocks import ROW_GROUP, V41_BLOCK, quantize_fp8, quantize_fp8_blocks
 from engine.quant.mxfp4 import quantize_mxfp4
 from engine.v41.checkpoint import FP8, FP8_ROWS, FP32, MXFP4, TensorSpec, released_tensor_specs, scale_name
-from engine.v41.config import BUNDLED_CONFIGS, V41Config, load_v41_config
+from engine.model.config import read_config_dict
+from engine.v41.config import V41Config, load_v41_config
 from engine.v41.safetensors_stream import SafetensorsStream
 from engine.v41.tokenizer_file import V41_VOCAB_SIZE, write_v41_tokenizer
 
@@ -85,12 +86,7 @@ def read_raw_config(name_or_path: str | Path | dict) -> dict:
     """The config dict of a bundled name (`tiny-v41`), a JSON file, a model directory, or a dict."""
     if isinstance(name_or_path, dict):
         return json.loads(json.dumps(name_or_path))
-    path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    elif not path.exists() and (BUNDLED_CONFIGS / f"{name_or_path}.json").exists():
-        path = BUNDLED_CONFIGS / f"{name_or_path}.json"
-    return json.loads(path.read_text())
+    return read_config_dict(name_or_path)
 
 
 def released_config(raw: dict, config: V41Config) -> dict:
