@@ -297,24 +297,38 @@ def nemo_logits(model, ids) -> torch.Tensor:
 
 
 SITES = ("cache", "indexer", "router")
+STRICT_SITES = (*SITES, "engram")
 
 
-def _nudge(values: torch.Tensor, relative: float, generator: torch.Generator) -> torch.Tensor:
-    signs = torch.randint(0, 2, values.shape, generator=generator).mul_(2).sub_(1)
-    return values * (1 + relative * signs.to(values.dtype))
+def _directions(values: torch.Tensor, generator: torch.Generator, strict: bool) -> torch.Tensor:
+    """Random signs; strict: times sizes in [0.5, 1], which split exact ties that equal nudges
+    leave tied (and broken by position) half of the time."""
+    signs = torch.randint(0, 2, values.shape, generator=generator).mul_(2).sub_(1).to(values.dtype)
+    if not strict:
+        return signs
+    return signs * (0.5 + 0.5 * torch.rand(values.shape, generator=generator)).to(values.dtype)
+
+
+def _nudge(values: torch.Tensor, relative: float, generator: torch.Generator, strict: bool) -> torch.Tensor:
+    """Each value times 1 +- relative; strict: plus +-relative (times 0.5..1) of the largest |value|
+    in its row, because fp32 noise in a sum scales with its terms, not with the result, so a small
+    entry next to big ones is as uncertain as they are."""
+    if not strict:
+        return values * (1 + relative * _directions(values, generator, strict))
+    return values + relative * _directions(values, generator, strict) * values.abs().amax(-1, keepdim=True)
 
 
 @contextlib.contextmanager
-def perturbed_cache_quantizer(relative: float, seed: int = 0):
-    """Scale every input of NeMo's cache quantizer (SWA KV fp8, compressed KV nvfp4, indexer q/k
-    mxfp4) by 1 + relative * (+-1), one random sign per element, the signs fixed by `seed`."""
+def perturbed_cache_quantizer(relative: float, seed: int = 0, strict: bool = False):
+    """Nudge every input of NeMo's cache quantizer (SWA KV fp8, compressed KV nvfp4, indexer q/k
+    mxfp4) as `_nudge` does; the random directions are fixed by `seed`, so -relative mirrors +relative."""
     from nemo_automodel.components.models.deepseek_v41 import attention
 
     original = attention.quantize_cache
     generator = torch.Generator().manual_seed(seed)
 
     def perturbed(values: torch.Tensor, *, format: str, block_size: int) -> torch.Tensor:
-        return original(_nudge(values, relative, generator), format=format, block_size=block_size)
+        return original(_nudge(values, relative, generator, strict), format=format, block_size=block_size)
 
     attention.quantize_cache = perturbed
     try:
@@ -324,28 +338,33 @@ def perturbed_cache_quantizer(relative: float, seed: int = 0):
 
 
 @contextlib.contextmanager
-def perturbed_reference(model, relative: float, seed: int = 0, sites=SITES):
-    """Nudge the inputs of every rounding or selection NeMo makes, as `perturbed_cache_quantizer` does.
+def perturbed_reference(model, relative: float, seed: int = 0, sites=None, strict: bool = False):
+    """Nudge the inputs of the roundings and selections NeMo makes, as `perturbed_cache_quantizer` does.
 
-    Sites: "cache", the cache quantizer inputs; "indexer", the scores that the indexer's top-k and
-    candidate-block top-k read, by `relative` of (|score| + the row's largest finite |score|): the
-    indexer rounds q and k to mxfp4, so its scores tie exactly (often at 0.0, where every head's
-    ReLU is zero), and torch.topk breaks such ties by position in a way that changes with the
-    number of keys; "router", the router logits behind expert top-k.
+    Sites (default `SITES`, or `STRICT_SITES` when strict): "cache", the cache quantizer inputs;
+    "indexer", the scores that the indexer's top-k and candidate-block top-k read, by `relative`
+    of (|score| + the row's largest finite |score|): the indexer rounds q and k to mxfp4, so its
+    scores tie exactly (often at 0.0, where every head's ReLU is zero), and torch.topk breaks such
+    ties by position in a way that changes with the number of keys; "router", the router logits
+    behind expert top-k; "engram", the residual streams entering an Engram layer, whose gate takes
+    a signed square root (derivative up to 500 at its 1e-6 clamp, and a jump where the dot product
+    changes sign).
     """
     from nemo_automodel.components.models.deepseek_v41 import attention
+    from nemo_automodel.components.models.deepseek_v41.engram import DeepseekV41Engram
     from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4VisionGate
 
+    sites = (STRICT_SITES if strict else SITES) if sites is None else sites
     generator = torch.Generator().manual_seed(seed + 1)
-    gates = []
+    gates, hooks = [], []
     plain_topk, plain_indexer = torch.Tensor.topk, attention._Indexer.forward
 
     def nudged_topk(values: torch.Tensor, *args, **kwargs):
         finite = torch.isfinite(values)
         size = torch.where(finite, values.abs(), 0)
         size = size + size.amax(-1, keepdim=True)
-        signs = torch.randint(0, 2, values.shape, generator=generator).mul_(2).sub_(1).to(values.dtype)
-        return plain_topk(torch.where(finite, values + relative * signs * size, values), *args, **kwargs)
+        nudged = values + relative * _directions(values, generator, strict) * size
+        return plain_topk(torch.where(finite, nudged, values), *args, **kwargs)
 
     def indexer_forward(self, *args, **kwargs):
         torch.Tensor.topk = nudged_topk  # only top-k inside the indexer; restored before anything else runs
@@ -356,18 +375,23 @@ def perturbed_reference(model, relative: float, seed: int = 0, sites=SITES):
 
     with contextlib.ExitStack() as stack:
         if "cache" in sites:
-            stack.enter_context(perturbed_cache_quantizer(relative, seed))
+            stack.enter_context(perturbed_cache_quantizer(relative, seed, strict))
         if "indexer" in sites:
             attention._Indexer.forward = indexer_forward
         for module in model.modules():
             if "router" in sites and isinstance(module, DeepseekV4VisionGate):
                 route = module._route_scores
-                module._route_scores = lambda scores, route=route: route(_nudge(scores, relative, generator))
+                module._route_scores = lambda scores, route=route: route(_nudge(scores, relative, generator, strict))
                 gates.append(module)
+            if "engram" in sites and isinstance(module, DeepseekV41Engram):
+                hooks.append(module.register_forward_pre_hook(
+                    lambda _module, args: (_nudge(args[0], relative, generator, strict), *args[1:])))
         try:
             yield
         finally:
             attention._Indexer.forward = plain_indexer
+            for hook in hooks:
+                hook.remove()
             for gate in gates:
                 del gate._route_scores
 
@@ -383,25 +407,30 @@ class Screen:
 
 def screen_prompt(
     model, ids, *, eps: float = 1e-6, move_tol: float = 2e-5, min_gap: float = 1e-3, gap_positions: int = 1,
-    seed: int = 0, sites=SITES,
+    seed: int = 0, sites=None, strict: bool = False,
 ) -> Screen:
-    """Run a prompt plainly and with `perturbed_reference` nudging by +eps and -eps (relative).
+    """Run a prompt plainly and with `perturbed_reference` nudging by +eps and -eps.
 
-    The two runs use opposite signs, so every value within eps of a rounding boundary or of a
-    selection tie crosses it in one of them. Nudging the cache quantizer inputs alone misses ties in
-    the indexer top-k: a 7-token-shorter prefix of a kept prompt then differed by over 1e-4 in 3 of
-    24 kept prompts, from exact ties at 0.0 that torch.topk broke differently for 146 and 150 keys.
+    The two runs nudge in mirrored directions, so every value within eps of a rounding boundary or
+    of a selection tie crosses it in one of them. Kept when no logit moves by more than `move_tol`
+    of max |logit| (a fifth of the 1e-4 a comparison allows; with no flipped rounding the logits
+    stay bit-identical) and the top-2 gap at each of the last `gap_positions` positions is at least
+    `min_gap` of max |logit|.
 
-    Kept when no logit moves by more than `move_tol` of max |logit| (a fifth of the 1e-4 a
-    comparison allows; with no flipped rounding the logits stay bit-identical) and the top-2 gap at
-    each of the last `gap_positions` positions is at least `min_gap` of max |logit|.
+    The default screen still lets through prompts on which a second fp32 computation (NeMo with
+    SDPA attention, or NeMo on the prompt 7 tokens shorter) differs by over 1e-4: 5 of 59 kept
+    prompts of 96-300 tokens, from values a few 1e-6 of their row's scale from a cache-rounding
+    boundary, exact indexer ties that equal nudges leave tied, and the Engram gate. `strict=True`
+    covers those (row-scale nudges, tie-splitting sizes, the Engram site): 0 of 31 kept prompts
+    leaked, but it keeps fewer (tiny-v41: 10 of 16 at 96-140 tokens, 4 of 16 at 300; tiny-v41-b:
+    5 of 16 at 160).
     """
     ids = list(ids)
     logits = nemo_logits(model, ids)
     scale = float(logits.abs().max())
     moved = 0.0
     for direction in (1.0, -1.0):
-        with perturbed_reference(model, direction * eps, seed, sites):
+        with perturbed_reference(model, direction * eps, seed, sites, strict):
             moved = max(moved, float((nemo_logits(model, ids) - logits).abs().max()) / scale)
     top2 = logits[-gap_positions:].topk(2, dim=-1).values
     gap = float((top2[:, 0] - top2[:, 1]).min()) / scale
