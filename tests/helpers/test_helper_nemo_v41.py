@@ -13,10 +13,12 @@ shared-expert down projections x0.1). At V4's magnitudes one cache-rounding flip
 of the quantizer inputs flips about two fp8 SWA values per 300-token prompt) cascades through the
 indexer top-k and expert routing and moves logits by 1e-4 to 0.7 of max |logit|: no 300-token
 prompt of tiny-v41 survived screening and NeMo eager and SDPA disagreed by more than 1e-4 on half
-of them. With the small sublayer outputs a flip moves logits by ~1e-6 to 1e-5, while every fault
+of them. With the small sublayer outputs most flips move logits by 1e-6 to 1e-5 (those that
+change a top-k choice still move them 1e-4 or more; see `screen_prompt`), while every fault
 tried (one layer's sink zeroed, a source's compressed KV halved, indexer weights negated, one
 expert zeroed, the gate bias zeroed, Engram off, one layer's attention off) still moves them by
 6e-4 to 0.7.
+
 With `released_grid` (the default) each weight is then rounded onto the grid its released
 checkpoint stores it on (`released_format`), so writing these weights as a released-format
 checkpoint loses nothing, provided the writer picks power-of-two scales as
@@ -417,13 +419,14 @@ def screen_prompt(
     stay bit-identical) and the top-2 gap at each of the last `gap_positions` positions is at least
     `min_gap` of max |logit|.
 
-    The default screen still lets through prompts on which a second fp32 computation (NeMo with
-    SDPA attention, or NeMo on the prompt 7 tokens shorter) differs by over 1e-4: 5 of 59 kept
-    prompts of 96-300 tokens, from values a few 1e-6 of their row's scale from a cache-rounding
-    boundary, exact indexer ties that equal nudges leave tied, and the Engram gate. `strict=True`
-    covers those (row-scale nudges, tie-splitting sizes, the Engram site): 0 of 31 kept prompts
-    leaked, but it keeps fewer (tiny-v41: 10 of 16 at 96-140 tokens, 4 of 16 at 300; tiny-v41-b:
-    5 of 16 at 160).
+    Measured on 96 random prompts (tiny-v41 and tiny-v41-b, 96 to 300 tokens) against a second
+    fp32 computation (NeMo with SDPA attention, or on the prompt 7 tokens shorter), which differed
+    by over 1e-4 on 13 of them (3 of 64 up to 160 tokens, 10 of 32 at 300): the default screen kept
+    44 and let 4 of those through (values a few 1e-6 of their row's scale from a rounding boundary,
+    exact indexer ties that equal nudges leave tied, the Engram gate); `strict=True` (row-scale
+    nudges, tie-splitting sizes, the Engram site) kept 28 and let none through. Strict keeps about
+    half of the prompts up to 160 tokens (7-9 of 16 at 96, 4-8 of 16 at 140-160) and none of 32
+    at 300 tokens.
     """
     ids = list(ids)
     logits = nemo_logits(model, ids)
