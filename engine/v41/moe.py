@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.moe import clamped_swiglu
 from engine.v41.config import V41Config
 
 
@@ -28,9 +29,7 @@ class Expert(nn.Module):
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 clamped SwiGLU: gate clamped above, up clamped both ways."""
-        gate = self.w1(x).float().clamp(max=self.limit)
-        up = self.w3(x).float().clamp(min=-self.limit, max=self.limit)
-        return F.silu(gate) * up
+        return clamped_swiglu(self.w1(x).float(), self.w3(x).float(), self.limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.activation(x).to(x.dtype))
