@@ -11,7 +11,7 @@ import torch
 
 from engine.kv.manager import KVCache
 from engine.model.model import DeepseekV4
-from engine.sampling import SampleResult, sample
+from engine.sampling import SampleResult, sample, seed_step
 from engine.scheduler.sequence import Sequence
 
 
@@ -39,6 +39,9 @@ class ModelRunner:
         seqs = [scheduled[row][0] for row in ready]
         rows = logits if len(ready) == len(scheduled) else logits[torch.tensor(ready, device=logits.device)]
         rows = rows.float()
+        for seq in seqs:   # the draw for output token k depends on (seed, k) only: hand-offs and resumes match
+            if seq.generator is not None:
+                seed_step(seq.generator, seq.sampling.seed, seq.sampling.step_offset + seq.num_generated)
         return seqs, sample(rows, [s.sampling for s in seqs], [s.generator for s in seqs])
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:

@@ -31,6 +31,8 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False):
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False
+    step_offset: int = 0        # output tokens produced before this request (a resumed request's): its
+                                # seeded draws continue at that index, as if it had never stopped
 
 
 class Usage(msgspec.Struct, array_like=True, gc=False):

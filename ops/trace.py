@@ -122,7 +122,9 @@ def _num(value, default: float = 0.0) -> float:
 
 
 def matches(record: dict, key: str) -> bool:
-    return record.get("request_id") == key or record.get("trace_id") == key
+    """A line of request `key`: its id, a resumed attempt's (`key#r1`, services/gateway/resume.py), or its trace."""
+    rid = record.get("request_id")
+    return rid == key or record.get("trace_id") == key or (isinstance(rid, str) and rid.startswith(key + "#r"))
 
 
 def span_of(record: dict) -> Span | None:

@@ -7,6 +7,7 @@ from engine.sampling.sampler import (
     SampleResult,
     make_generator,
     sample,
+    seed_step,
     validate_sampling_params,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "make_generator",
     "raw_logprobs",
     "sample",
+    "seed_step",
     "validate_sampling_params",
 ]

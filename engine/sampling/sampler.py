@@ -48,6 +48,8 @@ def validate_sampling_params(params: SamplingParams, where: str = "sampling") ->
         raise ValueError(f"{where}.top_p must be in (0, 1], got {params.top_p!r}")
     if params.top_k < 0:
         raise ValueError(f"{where}.top_k must be >= 0 (0 = off), got {params.top_k!r}")
+    if isinstance(params.step_offset, bool) or not isinstance(params.step_offset, int) or params.step_offset < 0:
+        raise ValueError(f"{where}.step_offset must be an int >= 0, got {params.step_offset!r}")
     if not (0 <= params.top_logprobs <= MAX_TOP_LOGPROBS):
         raise ValueError(f"{where}.top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {params.top_logprobs!r}")
 
@@ -67,6 +69,19 @@ def make_generator(seed: int | None, request_id: str, device: str | torch.device
     generator = torch.Generator(device=device)
     generator.manual_seed(seed & _SEED_MASK)
     return generator
+
+
+def seed_step(generator: torch.Generator, seed: int, step: int) -> None:
+    """Seed `generator` for output token `step` of a request seeded with `seed`.
+
+    Each output token's draw depends on (seed, step) alone, not on how many draws came before
+    it in this process: a request handed from prefill to decode, or resumed on another worker
+    after a failure (SamplingParams.step_offset), samples exactly what an uninterrupted run would.
+    """
+    mixed = (seed & _SEED_MASK) ^ ((step + 1) * 0x9E3779B97F4A7C15 & _SEED_MASK)   # splitmix64 finaliser
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & _SEED_MASK
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & _SEED_MASK
+    generator.manual_seed(mixed ^ (mixed >> 31))
 
 
 def sample(

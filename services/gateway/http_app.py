@@ -4,7 +4,8 @@
 A request: authenticate -> admit (bounded) -> prepare in a thread (convert, render, encode) ->
 GenerateRequest to the upstream -> chunks through the adapter's stream/accumulator -> the client.
 A client that disconnects cancels its handler, which aborts the request (at its streaming worker
-once known). Each request writes one `request.summary` line, its chunk timings included.
+once known). A worker that dies under a request resumes it elsewhere (resume.py). Each request
+writes one `request.summary` line, its chunk timings and resumes included.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from messages.common import FinishReason
 from messages.control import ServiceState
 from messages.generate import GenerateChunk
 from services.gateway.adapter import GatewayError, Protocol
+from services.gateway.resume import RESUMABLE, client_usage, resumed_request
 from services.runtime.tracing import span_from
 
 
@@ -107,38 +109,45 @@ class GatewayHttp:
             log.info("request.rejected", status=exc.status_for(protocol), error=exc.message)
             return _error_response(protocol, exc)
         prepared_at = time.time()
+        if request_id in svc.pending:   # a client reused an id still in flight: keep both apart
+            request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+            log = log.bind(request_id=request_id)
         tracked = svc.open_request(request_id, span)
         response = prepared.open_response()
+        first_request = prepared.generate_request(return_address=svc.config.advertise, arrival_time=started,
+                                                  block_hashes=hashes)
         outcome, http = "ok", None
         try:
-            svc.send(svc.config.upstream, prepared.generate_request(
-                return_address=svc.config.advertise, arrival_time=started, block_hashes=hashes),
-                request_id=request_id, span=span)
-            first = await self._next(tracked.queue, svc.settings.first_chunk_timeout_s, protocol)
-            if isinstance(first, GatewayError):
-                outcome = first.code or "error"
-                svc.abort(request_id, outcome)   # wherever it still waits or runs: free it there
-                return _error_response(protocol, first)
-            if prepared.stream:
-                http = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                   "Cache-Control": "no-cache", "x-request-id": request_id})
-                await http.prepare(request)
-            item = first
+            svc.send(svc.config.upstream, first_request, request_id=request_id, span=span)
+            timeout = svc.settings.first_chunk_timeout_s
             while True:
-                if isinstance(item, GatewayError):   # failed mid-way: end in the protocol's shape
+                item = await self._next(tracked, timeout, protocol)
+                if isinstance(item, GatewayError) and item.code in RESUMABLE and tracked.attempt < svc.settings.max_resumes:
+                    if await self._resume(tracked, first_request, item, log):
+                        timeout = svc.settings.first_chunk_timeout_s
+                        continue
+                if isinstance(item, GatewayError):   # failed: end in the protocol's shape
                     outcome = item.code or "error"
-                    svc.abort(request_id, outcome)
+                    svc.abort(tracked, outcome)   # wherever it still waits or runs: free it there
+                    if http is None:
+                        return _error_response(protocol, item)
                     frames = response.fail(item)
                 else:
-                    frames = response.push(item.token_ids, item.finish_reason or None, item.usage, _logprobs(item))
+                    tracked.token_ids.extend(item.token_ids)
+                    usage = client_usage(item.usage, len(prepared.prompt_ids), tracked.streamed_before)
+                    frames = response.push(item.token_ids, item.finish_reason or None, usage, _logprobs(item))
+                    if prepared.stream and http is None:
+                        http = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                           "Cache-Control": "no-cache", "x-request-id": request_id})
+                        await http.prepare(request)
                 if http is not None:
                     for frame in frames:
                         await http.write(frame)
                 if response.finished:
                     if isinstance(item, GenerateChunk) and not item.finish_reason:   # EOS / stop sequence
-                        svc.abort(request_id, "stopped_by_gateway")                   # seen here: stop the worker
+                        svc.abort(tracked, "stopped_by_gateway")                   # seen here: stop the worker
                     break
-                item = await self._next(tracked.queue, svc.settings.chunk_timeout_s, protocol)
+                timeout = svc.settings.chunk_timeout_s
             if http is not None:
                 await http.write_eof()
                 return http
@@ -154,24 +163,55 @@ class GatewayHttp:
             return _error_response(protocol, too_busy(protocol, f"upstream unavailable: {exc.message}"))
         except (asyncio.CancelledError, ConnectionResetError):
             outcome = "client_disconnected"
-            svc.abort(request_id, "client_disconnected")
+            svc.abort(tracked, "client_disconnected")
             raise
         finally:
-            svc.pending.pop(request_id, None)
+            svc.close_request(tracked)
             usage = response.usage
             log.info("request.summary", type=protocol.value, sender="http", start=started,
                      handle_ms=round((time.time() - started) * 1e3, 3),
                      phases={"prepare_ms": round((prepared_at - started) * 1e3, 3)},
-                     **tracked.stats.fields(started), worker=tracked.worker or None,
+                     **tracked.stats.fields(started), worker=tracked.worker or None, resumes=tracked.attempt or None,
                      prompt_tokens=usage.prompt, cached_tokens=usage.cached,
                      completion_tokens=usage.completion, stream=prepared.stream, outcome=outcome)
 
-    async def _next(self, queue: asyncio.Queue, timeout_s: float, protocol: Protocol):
-        """The next chunk, or a GatewayError for an upstream error, silence or a dead worker."""
+    async def _resume(self, tracked, first_request, cause: GatewayError, log) -> bool:
+        """Send the request's next attempt (resume.py); False if it cannot go (then `cause` stands)."""
+        svc = self.svc
+        generated = tracked.token_ids
+        if len(generated) >= first_request.sampling.max_tokens:
+            return False
+        upstream = svc.upstream
+        if upstream is not None and not upstream.connected:   # the router restarts: wait for it, bounded
+            try:
+                await asyncio.wait_for(upstream.ready.wait(), svc.settings.resume_timeout_s)
+            except asyncio.TimeoutError:
+                return False
+        wire = svc.next_attempt(tracked)
+        log.warning("request.resumed", attempt=tracked.attempt, wire_id=wire, cause=cause.code,
+                    error=cause.message, tokens_streamed=len(generated))
         try:
-            item = await asyncio.wait_for(queue.get(), timeout_s)
-        except asyncio.TimeoutError:
-            return GatewayError(504, "api_error", f"no tokens from the worker for {timeout_s:.0f}s", code="timeout")
+            svc.send(svc.config.upstream, resumed_request(first_request, generated, svc.model_id),
+                     request_id=wire, span=tracked.span)
+        except WireError as exc:
+            log.warning("request.resume_failed", attempt=tracked.attempt, code=exc.code.name)
+            return False
+        return True
+
+    async def _next(self, tracked, timeout_s: float, protocol: Protocol):
+        """The current attempt's next chunk, or a GatewayError for an upstream error, silence or a
+        dead worker. What an older attempt sent is dropped (and stopped where it runs)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            try:
+                wire, item = await asyncio.wait_for(tracked.queue.get(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                return GatewayError(504, "api_error", f"no tokens from the worker for {timeout_s:.0f}s",
+                                    code="timeout")
+            if wire == tracked.wire_id:
+                break
+        if isinstance(item, GatewayError):
+            return item
         if isinstance(item, GatewayError):
             return item
         if isinstance(item, ErrorReply):

@@ -52,11 +52,24 @@ class ChunkStats:
 @dataclass(slots=True, eq=False)
 class OpenRequest:
     """One request between its GenerateRequest and the end of its HTTP answer."""
+    request_id: str
     span: SpanContext
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # chunks, ErrorReply, GatewayError
+    wire_id: str = ""             # the current attempt's id on the wire (resume.py); "" = request_id
+    attempt: int = 0
+    # (wire id, chunk | ErrorReply | GatewayError): the handler drops what an older attempt sent
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     worker: str = ""              # the streaming worker's address, once a chunk names it
     worker_incarnation: str = ""  # ... and which process it is (a restart there is another)
+    token_ids: list[int] = field(default_factory=list)   # every token the client has received
+    streamed_before: int = 0      # of those, the ones received before the current attempt began
     stats: ChunkStats = field(default_factory=ChunkStats)
+
+    def __post_init__(self) -> None:
+        self.wire_id = self.wire_id or self.request_id
+
+    def put(self, item) -> None:
+        """An event of the current attempt (a watch's GatewayError, a lost upstream)."""
+        self.queue.put_nowait((self.wire_id, item))
 
 
 def streaming_workers(requests: dict[str, OpenRequest]) -> list[tuple[str, str]]:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from messages import ErrorReply, WireError
-from messages.common import FinishReason
 from messages.generate import AbortRequest, GenerateChunk
 from messages.prefix import block_hashes, configured_dtype, model_identity
 from services.gateway.open_requests import OpenRequest
@@ -42,12 +41,16 @@ class GatewaySettings:
     tokenize_threads: int = 2
     first_chunk_timeout_s: float = 600.0   # no token for this long: the request fails (504)
     chunk_timeout_s: float = 120.0
+    max_resumes: int = 3                  # attempts after the first when a worker dies (resume.py)
+    resume_timeout_s: float = 30.0        # how long a resume waits for the upstream to come back
 
     def __post_init__(self) -> None:
         if self.encoding not in ("", "v4", "v4.1"):
             raise ValueError(f"encoding must be '', 'v4' or 'v4.1', got {self.encoding!r}")
         if self.max_concurrent_requests < 1 or self.tokenize_threads < 1:
             raise ValueError("max_concurrent_requests and tokenize_threads must be >= 1")
+        if self.max_resumes < 0 or self.resume_timeout_s <= 0:
+            raise ValueError("max_resumes must be >= 0 and resume_timeout_s > 0")
         if not all(isinstance(k, str) and k for k in self.api_keys):
             raise ValueError("api_keys must be non-empty strings")
         env_keys = os.environ.get("EPD_API_KEYS", "")
@@ -59,11 +62,12 @@ class GatewaySettings:
 class GatewayService(Service):
     kind = "gateway"
     streamed_types = (GenerateChunk, ErrorReply)   # parts of a request: http_app writes its one summary
+    continuation_types = (GenerateChunk, ErrorReply)   # a draining gateway still finishes the streams it holds
 
     def __init__(self, config):
         super().__init__(config)
         self.settings = parse_settings(GatewaySettings, config.settings, self.kind)
-        self.pending: dict[str, OpenRequest] = {}   # request id -> what its HTTP handler waits on
+        self.pending: dict[str, OpenRequest] = {}   # wire id (resume.py) -> what its HTTP handler waits on
         self.adapter = None
         self.model_id = ""   # covered by every block hash; equal to the workers' engine model_id
         self.pool: ThreadPoolExecutor | None = None
@@ -108,19 +112,33 @@ class GatewayService(Service):
 
     # ---- requests and their chunks -------------------------------------------------------
     def open_request(self, request_id: str, span: SpanContext) -> OpenRequest:
-        self.pending[request_id] = OpenRequest(span)
+        self.pending[request_id] = OpenRequest(request_id, span)
         return self.pending[request_id]
 
-    def abort(self, request_id: str, reason: str) -> None:
+    def next_attempt(self, request: OpenRequest) -> str:
+        """Move `request` to its next attempt's wire id: whatever the older attempt still sends is
+        an orphan from now on (answered with an abort, never shown to the client)."""
+        from services.gateway.resume import wire_id
+        self.pending.pop(request.wire_id, None)
+        request.attempt += 1
+        request.streamed_before = len(request.token_ids)
+        request.wire_id = wire_id(request.request_id, request.attempt)
+        request.worker = request.worker_incarnation = ""
+        self.pending[request.wire_id] = request
+        return request.wire_id
+
+    def close_request(self, request: OpenRequest) -> None:
+        self.pending.pop(request.wire_id, None)
+
+    def abort(self, request: OpenRequest, reason: str) -> None:
         """Stop an open request: at the worker that streams it when known, else at the upstream."""
-        request = self.pending.get(request_id)
-        if request is None:
+        if self.pending.get(request.wire_id) is not request:
             return
         try:
-            self.send(request.worker or self.config.upstream, AbortRequest(reason), request_id=request_id,
+            self.send(request.worker or self.config.upstream, AbortRequest(reason), request_id=request.wire_id,
                       span=request.span)
         except WireError as exc:
-            self.log.warning("abort.undeliverable", request_id=request_id, code=exc.code.name)
+            self.log.warning("abort.undeliverable", request_id=request.wire_id, code=exc.code.name)
 
     async def _on_chunk(self, msg: GenerateChunk, ctx: Context) -> None:
         request = self.pending.get(ctx.request_id)
@@ -135,12 +153,12 @@ class GatewayService(Service):
         request.stats.add(ctx.received_at, len(msg.token_ids))
         if msg.worker:
             request.worker, request.worker_incarnation = msg.worker, msg.worker_incarnation
-        request.queue.put_nowait(msg)
+        request.queue.put_nowait((ctx.request_id, msg))
 
     async def _on_error(self, msg: ErrorReply, ctx: Context) -> None:
         request = self.pending.get(ctx.request_id)
         if request is not None:
-            request.queue.put_nowait(msg)
+            request.queue.put_nowait((ctx.request_id, msg))
         else:
             self.log.warning("upstream.error", request_id=ctx.request_id or None, code=msg.code,
                              error=msg.message)
@@ -153,9 +171,10 @@ class GatewayService(Service):
 
     def on_upstream_lost(self) -> None:
         """The upstream stopped answering: requests not yet streaming from a worker (watched on its
-        own, worker_watch.py) will get nothing."""
-        for request_id, request in self.pending.items():
+        own, worker_watch.py) may be lost with it; each is resumed once the upstream is back."""
+        from services.gateway.adapter.errors import API_ERROR, GatewayError
+        for request in list(self.pending.values()):
             if not request.worker:
-                request.queue.put_nowait(GenerateChunk([], int(FinishReason.ERROR),
-                                                       error="upstream worker is unreachable"))
-                self.log.warning("request.upstream_lost", request_id=request_id)
+                request.put(GatewayError(502, API_ERROR, "the upstream router stopped answering",
+                                         code="upstream_lost"))
+                self.log.warning("request.upstream_lost", request_id=request.wire_id)

@@ -1,8 +1,10 @@
-"""A streaming worker that dies fails its open requests at once, not after chunk_timeout_s.
+"""A streaming worker that dies is noticed at once, not after chunk_timeout_s.
 
 The worker that streams a request names itself on its first chunk (GenerateChunk.worker); the
-gateway watches each distinct streaming worker (services/runtime/liveness.py) and a dead one's
-requests each get a 502 naming it. The streaming workers watch their gateways the same way.
+gateway watches each distinct streaming worker (services/runtime/liveness.py). A dead one's
+requests each get a `worker_died` error, which the request's handler turns into a resume on
+another worker (resume.py), or a 502 naming the worker once its resumes are used up. The
+streaming workers watch their gateways the same way.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def worker_died(svc, address: str, incarnation: str = "", answered: bool = False
     svc.log.warning("worker.dead", worker=address, incarnation=incarnation or None, restarted=answered,
                     requests=len(held))
     for request in held:   # each request's summary line says outcome=worker_died
-        request.queue.put_nowait(GatewayError(
+        request.put(GatewayError(
             502, API_ERROR, f"the worker streaming this request ({address}) died", code="worker_died"))
     if not answered and address != svc.config.upstream:   # the upstream link reconnects on its own
         svc.drop_link(address)

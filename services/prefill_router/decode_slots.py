@@ -7,6 +7,10 @@ score, services/decode_router/core.py) from the moment it is made until the work
 can show it, that is until a heartbeat sent after the hand-off completed (PrefillDone) is in the
 table. A request that fails or is aborted before its hand-off releases its slot at once.
 
+A worker that a hand-off found dead (the prefill worker answered PEER_DEAD) is skipped until the
+table shows a heartbeat it sent after that: the decode router needs up to dead_after_s to drop it,
+and a resumed request must not be sent to the same dead worker again meanwhile.
+
 No worker with room (all at capacity, none alive, or no table for `stale_after_s`: the decode
 router is gone, so its view may hold dead workers): `reserve` returns None and the request waits
 in the prefill router's queue, bounded and with a deadline, instead of being refused.
@@ -39,6 +43,7 @@ class DecodeSlots:
         self._reported_at: dict[str, float] = {}    # instance -> when its reported load was measured
         self._table_at: float | None = None
         self._held: dict[str, Reservation] = {}      # request id -> its reservation
+        self._suspect: dict[str, float] = {}         # instance -> when a hand-off found it dead
 
     def update(self, table: DecodeTable, now: float | None = None) -> None:
         """A fresh table: the workers' loads, and which reservations their reports now include."""
@@ -50,6 +55,8 @@ class DecodeSlots:
         self._table_at = now
         for rid in [rid for rid, r in self._held.items() if self._visible(r)]:
             del self._held[rid]
+        for instance in [i for i, at in self._suspect.items() if self._reported_at.get(i, at) > at]:
+            del self._suspect[instance]   # it heartbeat since (a restarted process, a short stall)
 
     def _visible(self, r: Reservation) -> bool:
         """Handed off and either in its worker's reported load, or its worker left the table (died)."""
@@ -74,7 +81,9 @@ class DecodeSlots:
             return self._held[request_id]
         if not self.fresh(now):
             return None
-        ranked = rank(self._candidates, self.pending(), self.policy)
+        candidates = [c for c in self._candidates if c.instance not in self._suspect] if self._suspect \
+            else self._candidates
+        ranked = rank(candidates, self.pending(), self.policy)
         if not ranked:
             return None
         best = ranked[0].candidate
@@ -86,6 +95,10 @@ class DecodeSlots:
         held = self._held.get(request_id)
         if held is not None and held.handed_off_at is None:
             held.handed_off_at = self.clock() if now is None else now
+
+    def suspect(self, instance: str, now: float | None = None) -> None:
+        """A hand-off to `instance` found it dead: choose others until it heartbeats again."""
+        self._suspect[instance] = self.clock() if now is None else now
 
     def release(self, request_id: str) -> None:
         """The request will not reach its decode worker (failed, aborted): free its slot now."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from messages import ErrorReply
 from messages.control import Load
-from messages.errors import InvalidRequest, Overloaded, PeerDead, WireError
+from messages.errors import ErrorCode, InvalidRequest, Overloaded, PeerDead, WireError
 from messages.generate import AbortRequest, GenerateRequest
 from messages.routing import DecodeTableQuery, PrefillDone, PrefillWork
 from services.prefill_router.core import Outstanding, PrefillRouterCore, Queued, RankView
@@ -117,6 +117,8 @@ class PrefillRouterService(Service):
                              code=msg.code, error=msg.message)
             return
         self.decode.release(held.request_id)
+        if msg.code == ErrorCode.PEER_DEAD and isinstance(held.admitted, Reservation):   # its decode worker
+            self.decode.suspect(held.admitted.instance)
         self._fail(held.item, msg.to_exception(held.request_id))
         self._pump()
 

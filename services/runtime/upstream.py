@@ -19,6 +19,7 @@ class UpstreamLink:
         self.service = service
         self.address = service.config.upstream
         self.connected = False
+        self.ready = asyncio.Event()   # set while registered: what a request waiting for a restarted upstream awaits
         self.reconnects = 0
 
     async def run(self) -> None:
@@ -34,6 +35,7 @@ class UpstreamLink:
                                 retry_in_s=backoff)
             if self.connected:
                 self.connected = False
+                self.ready.clear()
                 svc.on_upstream_lost()
             svc.drop_link(self.address)    # LINGER 0: a fresh socket, nothing stale queued
             self.reconnects += 1
@@ -46,6 +48,7 @@ class UpstreamLink:
                                timeout=cfg.ready_timeout_s if not self.reconnects else cfg.dead_after_s)
         registered: Registered = reply.message
         self.connected = True
+        self.ready.set()
         svc.log.info("upstream.registered", upstream=self.address, heartbeat_s=registered.heartbeat_interval_s)
 
     async def _heartbeat_until_lost(self) -> None:

@@ -12,7 +12,8 @@ PrefillWork (request id in the envelope) -> the reply on the same path, PrefillD
    holds. A store or holder that fails only shortens the hit: it never fails the request.
 2. engine.add_request(prefill_only=True): the first token comes out and the state is held.
 3. snapshot -> StateHandoff (buffers as frames, generated_ids = the first token, with its logprobs
-   when asked) to `decode_address` with call(), awaiting StateAccepted -> release ->
+   when asked) to `decode_address` with call(), awaiting StateAccepted (a decode worker that stops
+   answering status probes meanwhile fails it as PEER_DEAD within ~dead_after_s) -> release ->
    PrefillDone(hit_tokens = prompt tokens the engine took from its prefix cache, computed_tokens =
    the rest). A first token that already finishes the request (EOS, max_tokens=1) goes to the
    gateway from here as the last chunk; nothing is handed off.
@@ -27,11 +28,12 @@ import time
 from dataclasses import dataclass
 
 from messages.control import Load
-from messages.errors import ErrorCode, InvalidRequest, RemoteError, WireError
+from messages.errors import ErrorCode, InvalidRequest, PeerDead, RemoteError, WireError
 from messages.generate import AbortRequest
 from messages.handoff import StateHandoff
 from messages.prefix import BLOCK_TOKENS, block_hashes
 from messages.routing import PrefillDone, PrefillWork
+from services.runtime import liveness
 from services.runtime.context import Context
 from services.runtime.tracing import SpanContext
 from services.workers.chunks import chunk_from, logprob_fields
@@ -171,8 +173,7 @@ class PrefillWorker(EngineWorker):
         handoff = StateHandoff(msg.request, snapshot, list(range(len(buffers))), list(out.new_token_ids),
                                logprobs, top_logprobs)
         try:
-            reply = await self.call(msg.decode_address, handoff, request_id=rid, span=span,
-                                    buffers=[to_frame(b) for b in buffers], timeout=self.settings.handoff_timeout_s)
+            reply = await self._call_while_alive(msg.decode_address, handoff, rid, span, [to_frame(b) for b in buffers])
         except BaseException as exc:
             if not isinstance(exc, RemoteError):   # no answer: it may still arrive there, so abort it there
                 self._abort_at_decode(msg.decode_address, rid, span, "handoff_failed")
@@ -183,6 +184,23 @@ class PrefillWorker(EngineWorker):
         if not getattr(accepted, "accepted", False):
             raise InvalidRequest(f"decode worker refused the state: {getattr(accepted, 'reason', '')}",
                                  request_id=rid)
+
+    async def _call_while_alive(self, address: str, handoff: StateHandoff, rid: str, span: SpanContext, frames):
+        """The hand-off call, given up as PEER_DEAD as soon as the decode worker stops answering
+        status probes (about dead_after_s), not after handoff_timeout_s: the gateway then resumes
+        the request elsewhere."""
+        call = asyncio.ensure_future(self.call(address, handoff, request_id=rid, span=span, buffers=frames,
+                                               timeout=self.settings.handoff_timeout_s))
+        dead = asyncio.ensure_future(liveness.until_dead(self, address))
+        try:
+            await asyncio.wait({call, dead}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            dead.cancel()
+            if not call.done():
+                call.cancel()
+        if call.cancelled():
+            raise PeerDead(f"decode worker {address} died during the hand-off", request_id=rid)
+        return call.result()
 
     def _abort_at_decode(self, address: str, rid: str, span: SpanContext, reason: str) -> None:
         try:

@@ -38,6 +38,9 @@ CASES = [
         {"role": "user", "content": "word " * 150}]), 400, "invalid_request_error", "max_tokens"),
     (M, "prompt + max_tokens > context", messages_body(model=SMALL_MODEL, max_tokens=300, messages=[
         {"role": "user", "content": "word " * 150}]), 400, "invalid_request_error", None),
+    (M, "no max_tokens (required by Anthropic)", json.dumps({"model": MODEL, "messages": [
+        {"role": "user", "content": "Hi"}]}).encode(), 400, "invalid_request_error", "max_tokens"),
+    (M, "max_tokens null", messages_body(max_tokens=None), 400, "invalid_request_error", "max_tokens"),
     (C, "max_tokens above the model bound", chat_body(model=SMALL_MODEL, max_tokens=301), 400,
      "invalid_request_error", None),
     (C, "messages not a list", chat_body(messages="hi"), 400, "invalid_request_error", None),

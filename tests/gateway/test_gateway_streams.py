@@ -26,6 +26,7 @@ from tests.helpers.test_helper_streaming_worker import TOKEN, TestHelperRouter, 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64,
         "thinking": {"type": "disabled"}}
 FAST = {"heartbeat_s": 0.1, "dead_after": 3}   # a dead peer is noticed after 0.3 s
+NO_RESUMES = {"max_resumes": 0}   # a dead worker's requests fail (test_gateway_resume.py: they resume)
 
 
 async def start(cls, tmp_path, name: str, started: list, **fields):
@@ -46,13 +47,14 @@ async def make_stack(tmp_path):
     started: list = []     # (service, its run task), stopped in reverse
     sessions: list = []
 
-    async def make(**worker_settings):
+    async def make(gateway_settings: dict | None = None, **worker_settings):
         worker = await start(TestHelperStreamingWorker, tmp_path, "worker", started, settings=worker_settings)
         router = await start(TestHelperRouter, tmp_path, "router", started,
                              settings={"worker": worker.config.advertise})
         port = free_port_base(1, offset=0)
         gateway = await start(GatewayService, tmp_path, "gw", started, upstream=router.config.advertise,
-                              settings={"http_bind": f"127.0.0.1:{port}", "context_length": 4096})
+                              settings={"http_bind": f"127.0.0.1:{port}", "context_length": 4096,
+                                        **(gateway_settings or {})})
         await eventually(lambda: gateway.upstream.connected, what="the gateway to register with the router")
         sessions.append(aiohttp.ClientSession(f"http://127.0.0.1:{port}"))
         return gateway, router, worker, sessions[-1], logs
@@ -110,7 +112,7 @@ async def test_a_chunk_for_a_request_the_gateway_does_not_hold_is_aborted_at_onc
 
 
 async def test_a_dead_worker_fails_its_stream_with_an_error_event_in_seconds(make_stack):
-    gateway, _, worker, http, logs = await make_stack(chunks=2, finish=False)
+    gateway, _, worker, http, logs = await make_stack(NO_RESUMES, chunks=2, finish=False)
     async with http.post("/v1/chat/completions", json={**BODY, "stream": True},
                          headers={"x-request-id": "req-dead"}) as r:
         assert r.status == 200
@@ -128,7 +130,7 @@ async def test_a_dead_worker_fails_its_stream_with_an_error_event_in_seconds(mak
 
 
 async def test_a_dead_worker_fails_a_whole_answer_with_502_in_each_protocols_shape(make_stack):
-    gateway, _, worker, http, _ = await make_stack(chunks=1, finish=False)
+    gateway, _, worker, http, _ = await make_stack(NO_RESUMES, chunks=1, finish=False)
     messages = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
     chat = asyncio.create_task(http.post("/v1/chat/completions", json=BODY, headers={"x-request-id": "r-chat"}))
     claude = asyncio.create_task(http.post("/v1/messages", json=messages, headers={"x-request-id": "r-msg"}))
@@ -148,7 +150,7 @@ async def test_a_dead_worker_fails_a_whole_answer_with_502_in_each_protocols_sha
 
 
 async def test_a_worker_restarted_at_the_same_address_fails_the_streams_its_old_process_held(make_stack, tmp_path):
-    gateway, _, worker, http, _ = await make_stack(chunks=1, finish=False)
+    gateway, _, worker, http, _ = await make_stack(NO_RESUMES, chunks=1, finish=False)
     async with http.post("/v1/chat/completions", json={**BODY, "stream": True},
                          headers={"x-request-id": "req-restart"}) as r:
         assert r.status == 200

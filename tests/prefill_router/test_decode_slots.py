@@ -153,3 +153,23 @@ def test_workers_counts_the_table(slots):
     assert slots.workers() == 0
     slots.update(table(peer("a"), peer("b", state=ServiceState.DRAINING)))
     assert slots.workers() == 2
+
+
+def test_a_worker_a_hand_off_found_dead_is_skipped_until_it_heartbeats_again(slots, clock):
+    slots.update(table(peer("a"), peer("b", kv=0.5)))
+    assert slots.reserve("r1").instance == "a"
+    slots.release("r1")
+    clock.now = 101.0
+    slots.suspect("a")                                         # PEER_DEAD from the hand-off at 101
+    slots.update(table(peer("a", age=0.5), peer("b", kv=0.5)))   # its last heartbeat (100.5) predates it
+    assert slots.reserve("r2").instance == "b"
+    slots.release("r2")
+    clock.now = 102.0
+    slots.update(table(peer("a", age=0.5), peer("b", kv=0.5)))   # heartbeat at 101.5: alive again (restarted)
+    assert slots.reserve("r3").instance == "a"
+
+
+def test_when_every_worker_is_suspect_nothing_is_reserved(slots, clock):
+    slots.update(table(peer("a")))
+    slots.suspect("a")
+    assert slots.reserve("r1") is None                         # the request waits in the queue instead

@@ -9,6 +9,8 @@ What the library would get wrong or accept silently is handled here:
   inference options have no top_k; so is `seed` where the library reads none (Responses, Messages).
 - `temperature` and `top_p` are read here too: in thinking mode the library resolves both to its
   recommended values whatever the request says, and we honour what the client asked for.
+- Anthropic Messages requires `max_tokens` (the real API answers 400 without it); the library would
+  default it to the whole context window, and the request would hold a decode slot for that long.
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ def normalise(protocol: Protocol, payload: dict) -> bool:
             if payload.get(key) not in (None, False):
                 raise invalid_request(f"{key} is not supported: {why}", param=key,
                                       code="unsupported_parameter")
+    if protocol is Protocol.MESSAGES and payload.get("max_tokens") is None:
+        raise invalid_request("max_tokens: Field required", param="max_tokens")
     if protocol is Protocol.CHAT:
         return _developer_to_system(payload.get("messages"))
     if protocol is Protocol.RESPONSES:
