@@ -81,6 +81,8 @@ class EngineRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
     arrival_time: float = 0.0
+    exact_prefix: bool = False  # take no approximate (bounded replay) prefix hit: a resumed request must
+                                # continue exactly as the uninterrupted one would have
 
 
 @dataclass(slots=True)
@@ -303,7 +305,8 @@ class EngineCore:
             raise ValueError(f"request {rid!r}: already generated {len(generated_ids)} tokens, "
                              f"max_tokens is {params.max_tokens}")
         generator = make_generator(params.seed, rid, self.model.device)
-        return Sequence(rid, tokens, len(prompt), params, self.model_id, request.arrival_time, generator)
+        return Sequence(rid, tokens, len(prompt), params, self.model_id, request.arrival_time, generator,
+                        exact_prefix=request.exact_prefix)
 
     def _running(self, request_id: str) -> Sequence:
         seq = self.requests.get(request_id)

@@ -22,6 +22,8 @@ class GenerateRequest(Message):
     arrival_time: float = 0.0
     image_refs: list[str] = []             # later: vision embeddings by reference
     constraint_key: str = ""               # later: compiled grammar in the grammar service
+    exact_prefix: bool = False             # no approximate prefix hit (V4.1 bounded replay): set on a
+                                           # resumed attempt, which must continue exactly (gateway/resume.py)
 
 
 @register(0x0202)

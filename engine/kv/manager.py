@@ -81,21 +81,22 @@ class KVCache:
             return Hit()
         usable_blocks = (len(seq.token_ids) - 1) // self.block_size
         pages = self.blocks.lookup(seq.block_hashes[:usable_blocks])
+        replay = not seq.exact_prefix
         for count in range(len(pages), 0, -1):
-            if self._replays(len(pages), count):
+            if self._replays(len(pages), count, replay):
                 break
             boundary = self.boundaries.get(seq.block_hashes[count - 1])
             if boundary is not None:
                 return Hit(count * self.block_size, tuple(pages[:count]), boundary)
-        if self._replays(len(pages), 0):
+        if self._replays(len(pages), 0, replay):
             end = len(pages) * self.block_size
             return Hit(end - self.block_size, tuple(pages), replay_end=end)
         return Hit()
 
-    def _replays(self, num_pages: int, exact_blocks: int) -> bool:
+    def _replays(self, num_pages: int, exact_blocks: int, allowed: bool = True) -> bool:
         """Replaying the last of `num_pages` cached blocks starts later than an exact hit of
         `exact_blocks` (seeds: hits of one block or less are not worth a replay)."""
-        return self.replay and num_pages >= 2 and num_pages - 1 > exact_blocks
+        return allowed and self.replay and num_pages >= 2 and num_pages - 1 > exact_blocks
 
     def can_admit(self, seq, hit: Hit, num_new: int) -> bool:
         new_pages = max(0, self._pages_for(hit.tokens + num_new) - len(hit.pages))

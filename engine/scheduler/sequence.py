@@ -30,6 +30,7 @@ class Sequence:
     arrival_time: float = 0.0
     generator: torch.Generator | None = None
     prefill_only: bool = False  # hold after the first sampled token instead of decoding on
+    exact_prefix: bool = False  # no bounded-replay prefix hit (EngineRequest.exact_prefix)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens whose KV the state holds
     num_cached_tokens: int = 0  # tokens taken from the prefix cache (or a hand-off) on first admission

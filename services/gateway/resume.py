@@ -6,7 +6,9 @@ prefill rank died, the upstream router restarted) sends the request again as a n
 attempt's prompt is the original prompt plus every token already streamed; its max_tokens is what
 is left; `step_offset` continues a seeded request's draws where they were (engine/sampling), so
 greedy and seeded output equal an uninterrupted run's. The KV store and the SWA registry give the
-new attempt the prompt's prefix back; the rest is prefilled again.
+new attempt the prompt's prefix back, exactly: `exact_prefix` turns V4.1's bounded replay (an
+approximation) off for it, so it starts at the last block with a saved window state and
+prefills the rest again.
 
 Each attempt travels under its own wire id (`<request id>#r<attempt>`). A chunk of an older
 attempt (a frozen worker that wakes up, a prefill that was already under way when the router
@@ -43,7 +45,7 @@ def resumed_request(first: GenerateRequest, generated: list[int], model_id: str)
     sampling = msgspec.structs.replace(first.sampling, max_tokens=left,
                                        step_offset=first.sampling.step_offset + len(generated))
     hashes = block_hashes(model_id, prompt) if model_id else []
-    return msgspec.structs.replace(first, prompt_ids=prompt, sampling=sampling, block_hashes=hashes)
+    return msgspec.structs.replace(first, prompt_ids=prompt, sampling=sampling, block_hashes=hashes, exact_prefix=True)
 
 
 def client_usage(usage: Usage | None, prompt_tokens: int, generated_before: int) -> Usage | None:

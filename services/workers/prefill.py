@@ -115,7 +115,7 @@ class PrefillWorker(EngineWorker):
                 raise Aborted(f"aborted: {job.aborted}", request_id=rid)
             job.future = asyncio.get_running_loop().create_future()
             engine_request = EngineRequest(rid, list(request.prompt_ids), request.sampling,
-                                           request.arrival_time or time.time())
+                                           request.arrival_time or time.time(), request.exact_prefix)
             try:
                 await self.engine(lambda engine: engine.add_request(engine_request, prefill_only=True))
             except ValueError as exc:

@@ -39,7 +39,8 @@ class UnifiedWorker(StreamingWorker):
         self.hash_check.check(self.log, self.model_id, msg.prompt_ids, msg.block_hashes)
         self.open_stream(Stream(request_id, msg.return_address, ctx.span, ctx.sender, "GenerateRequest", time.time(),
                                 len(msg.prompt_ids), msg.traffic_class))
-        request = EngineRequest(request_id, list(msg.prompt_ids), msg.sampling, msg.arrival_time or time.time())
+        request = EngineRequest(request_id, list(msg.prompt_ids), msg.sampling, msg.arrival_time or time.time(),
+                                msg.exact_prefix)
         try:
             await self.engine(lambda engine, req: engine.add_request(req), request)
         except ValueError as exc:

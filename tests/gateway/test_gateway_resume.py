@@ -88,7 +88,7 @@ async def test_a_dead_workers_request_resumes_on_another_with_every_token_once(r
     resumed = b.received["req-r#r1"]                                   # the next attempt's own wire id
     prompt = expected["usage"]["prompt_tokens"]
     assert resumed.prompt_ids[prompt:] == [positional_token(prompt + i) for i in range(3)]
-    assert resumed.sampling.max_tokens == 5 and resumed.sampling.step_offset == 3
+    assert resumed.sampling.max_tokens == 5 and resumed.sampling.step_offset == 3 and resumed.exact_prefix
     [summary] = summaries(logs, "gw", "req-r")
     assert summary["resumes"] == 1 and summary["outcome"] == "ok" and summary["worker"] == b.config.advertise
     assert gateway.pending == {}

@@ -282,3 +282,15 @@ def test_decode_after_a_trimmed_replay_continues_the_manual_replay(model_dir, mo
         engine_window = core.kv.slots.read(state.slot, layer, position)
         assert engine_window.shape[0] == 128
         assert torch.equal(engine_window, kv.slots.read(seq.state.slot, layer, position)), layer
+
+
+def test_an_exact_prefix_request_takes_no_replay_hit(model):
+    """A resumed request (EngineRequest.exact_prefix) must continue exactly, so the approximate
+    replay hit is not offered: with no window state saved anywhere, it prefills from the start."""
+    prompt = make_prompt(LENGTH, 0).tolist()
+    kv = replay_kv(model, prompt, trim=True)
+    assert kv.find_hit(_seq("replays", prompt)).replay_end == HIT
+    exact = _seq("exact", prompt)
+    exact.exact_prefix = True
+    hit = kv.find_hit(exact)
+    assert (hit.tokens, hit.replay_end, hit.pages) == (0, 0, ())
