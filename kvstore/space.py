@@ -42,7 +42,8 @@ class SegmentSpace:
     # ---- start ---------------------------------------------------------------------------------
     def rebuild(self, index: BlockIndex, stats: StoreStats, now: float) -> None:
         """Index the records of every segment on disk (a sealed one from its footer; an unsealed
-        one, left by a writer that died, verified record by record, cut and sealed)."""
+        one, left by a writer that died, verified record by record, cut and sealed; one it died
+        creating, shorter than a segment header, deleted)."""
         started = time.perf_counter()
         segdir = os.path.join(self.root, "segments")
         seqs = sorted(s for s in map(fmt.parse_segment_name, os.listdir(segdir)) if s is not None)
@@ -50,7 +51,13 @@ class SegmentSpace:
             path = segment_path(self.root, seq)
             try:
                 scan = scan_segment(self.io, path, seq)
-            except FormatError as exc:   # not a segment of ours (or its header is gone): drop at next gc
+            except FormatError as exc:
+                if _size(path) < fmt.SEGMENT_HEADER_SIZE:   # the writer died making it: it never held a record
+                    self.log.warning("kv_store.segment_recovered", segment=seq, records=0, problem=str(exc))
+                    stats.segments_recovered += 1
+                    os.unlink(path)
+                    continue
+                # not a segment of ours (or its header is gone): dropped at the next gc
                 self.log.error("kv_store.segment_unreadable", segment=seq, error=str(exc))
                 self.track(SegmentInfo(seq, _size(path), float("-inf")))
                 continue

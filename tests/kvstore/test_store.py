@@ -224,6 +224,23 @@ def test_an_unsealed_segment_is_verified_record_by_record_at_restart(tmp_path):
         assert len(store) == 3
 
 
+def test_a_segment_file_shorter_than_its_header_is_removed_at_restart(tmp_path):
+    """The writer died between creating a segment file and writing its header: no record is in it,
+    and its number is not handed out again."""
+    keys = chain(3)
+    store = open_store(tmp_path)
+    store.write(pages_of(keys))
+    _crash(store)
+    for seq, size in ((1, 0), (2, fmt.SEGMENT_HEADER_SIZE // 2)):
+        with open(segment_path(str(tmp_path), seq), "wb") as f:
+            f.write(bytes(size))
+    with open_store(tmp_path) as store:
+        assert segment_files(tmp_path) == [fmt.segment_name(0)]
+        assert store.stats.segments_recovered == 3 and store.lookup(keys) == 3   # (segment 0 was unsealed)
+        store.write(pages_of(chain(1, seed=7)))
+        assert fmt.parse_location(store.locations(chain(1, seed=7))[0])[0] == 3
+
+
 def test_a_flipped_payload_bit_is_a_miss_never_served(tmp_path):
     keys = chain(5)
     with open_store(tmp_path) as store:
