@@ -194,11 +194,13 @@ class PrefillWorker(EngineWorker):
         dead = asyncio.ensure_future(liveness.until_dead(self, address))
         try:
             await asyncio.wait({call, dead}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:   # this handler was cancelled (an abort, the worker stopping)
+            call.cancel()
+            raise
         finally:
             dead.cancel()
-            if not call.done():
-                call.cancel()
-        if call.cancelled():
+        if not call.done():
+            call.cancel()
             raise PeerDead(f"decode worker {address} died during the hand-off", request_id=rid)
         return call.result()
 

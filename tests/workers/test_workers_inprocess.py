@@ -274,3 +274,22 @@ async def test_a_refused_hand_off_fails_the_work_and_frees_the_prefill_state(sta
     assert await s.prefill_b.engine(lambda engine: engine.request_ids()) == [] and not s.prefill_b.jobs
     assert s.prefill_b.load().in_flight == 0 and s.prefill_b.load().queued_tokens == 0
     assert "dup" in s.decode.streams   # the refusal left the running request alone
+
+
+async def test_a_hand_off_to_a_dead_decode_worker_fails_as_peer_dead_in_seconds_not_at_the_timeout(stack):
+    """The prefill worker watches the decode worker during the hand-off (liveness probes): a dead one
+    fails the work as PEER_DEAD within about dead_after_s, which the gateway resumes elsewhere."""
+    import time
+    from tests.helpers.test_helper_stack import free_port_base
+    s = stack
+    dead = f"tcp://127.0.0.1:{free_port_base(1, offset=0)}"   # nobody listens there
+    request = GenerateRequest(model="tiny", prompt_ids=make_prompt(30, 12).tolist(), sampling=greedy_params(8),
+                              return_address=s.gw.config.advertise)
+    started = time.monotonic()
+    with pytest.raises(RemoteError) as err:
+        await s.gw.call(s.prefill_a.config.advertise, PrefillWork(request, 0, dead), request_id="orphan", timeout=60)
+    took = time.monotonic() - started
+    assert err.value.code == ErrorCode.PEER_DEAD and dead in err.value.message
+    assert took < s.prefill_a.config.dead_after_s + 5 < s.prefill_a.settings.handoff_timeout_s
+    await engine_empty(s.prefill_a)
+    assert not s.prefill_a.jobs
