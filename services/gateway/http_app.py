@@ -122,8 +122,11 @@ class GatewayHttp:
             timeout = svc.settings.first_chunk_timeout_s
             while True:
                 item = await self._next(tracked, timeout, protocol)
-                if isinstance(item, GatewayError) and item.code in RESUMABLE and tracked.attempt < svc.settings.max_resumes:
-                    if await self._resume(tracked, first_request, item, log):
+                if isinstance(item, GatewayError) and item.code in RESUMABLE:
+                    if item.code != "worker_died" and tracked.worker:   # a router's news of the prefill rank, but
+                        log.info("request.failure_ignored", cause=item.code, worker=tracked.worker)   # a worker
+                        continue                                        # streams it already (watched on its own)
+                    if tracked.attempt < svc.settings.max_resumes and await self._resume(tracked, first_request, item, log):
                         timeout = svc.settings.first_chunk_timeout_s
                         continue
                 if isinstance(item, GatewayError):   # failed: end in the protocol's shape

@@ -146,3 +146,23 @@ async def test_a_request_the_restarted_router_lost_is_sent_again_once_it_is_back
     finally:
         again.stop()
         await restarted[0][1]
+
+
+async def test_a_prefill_ranks_death_reported_after_the_stream_began_is_not_a_resume(resume_stack):
+    """The prefill rank can die after its hand-off but before the router heard PrefillDone: the
+    router's PEER_DEAD then concerns a request a decode worker already streams. It carries on."""
+    from messages import ErrorReply
+    from messages.errors import ErrorCode
+    gateway, router, a, b, http, logs = await resume_stack(STALLS_AFTER(2), WHOLE)
+    pending = asyncio.create_task(answer(http, "req-p", max_tokens=3))
+    await eventually(lambda: "req-p" in gateway.pending and len(gateway.pending["req-p"].token_ids) == 2,
+                     what="worker a to stream")
+    router.send(gateway.config.advertise, ErrorReply(int(ErrorCode.PEER_DEAD), "prefill rank p-0 died holding the "
+                "request"), request_id="req-p")
+    await eventually(lambda: any('"request.failure_ignored"' in line for line in logs.getvalue().splitlines()),
+                     what="the gateway to read the error")
+    a.send_chunk(gateway.config.advertise, "req-p", GenerateChunk([positional_token(99)], int(FinishReason.LENGTH),
+                                                                  usage=Usage(10, 0, 3)))
+    status, body = await asyncio.wait_for(pending, 10)
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+    assert b.received == {}                                            # never resumed
