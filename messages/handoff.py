@@ -65,6 +65,8 @@ class SwaFetch(Message):
     prefix_hashes: list[bytes]
     reply_to: str = ""             # the requester's address (set by the requester)
     reply_msg_id: str = ""         # the requester's call id (set by the registry when it forwards)
+    requester_incarnation: str = ""   # the requesting process (Service.incarnation): a new one at
+                                      # reply_to retires what its predecessor registered there
 
 
 @register(0x0404)

@@ -2,6 +2,13 @@
 window states it saved at their ends are advertised to the SWA registry (SwaRegister). Both are
 one-way notifications (the services answer only on error), batched, never blocking a step: a
 request is queued for a look and one background loop collects its new blocks on the engine thread.
+
+Every registration names this process (its incarnation), so a worker restarted at the same address
+is never taken for its predecessor. Every heartbeat interval the worker checks in with the registry
+(an acknowledged SwaRegister without hashes): an answer `known=False` (the registry restarted, or
+forgot this worker while it was silent) makes it register every window state it still holds again,
+and so does any registration it could not deliver. A registry silent for dead_after intervals gets
+a fresh link (ZeroMQ's reconnect back-off would otherwise delay noticing its return by seconds).
 """
 from __future__ import annotations
 
@@ -28,6 +35,11 @@ class PersistJob:
     finished: bool = False
 
 
+def held_states(engine) -> list[bytes]:
+    """On the engine thread: the hash of every boundary state this engine holds (served on SwaFetch)."""
+    return list(engine.kv.boundaries.states)
+
+
 def collect_blocks(engine, request_id: str, first_block: int):
     """On the engine thread: full blocks from `first_block` on, and the hashes of those with a saved
     boundary state here (window + tails at the block's end)."""
@@ -46,6 +58,9 @@ class BlockPersister:
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self.blocks_persisted = 0
         self.states_registered = 0
+        self.registry_incarnation = ""    # the SWA registry process that answered the last check-in
+        self.reregistrations = 0          # times every held state was registered again
+        self._reregister_due = False      # a registration was lost: register all at the next answer
 
     def wanted(self) -> bool:
         s = self.worker.settings
@@ -62,6 +77,16 @@ class BlockPersister:
             self._queue.put_nowait(request_id)
 
     async def run(self) -> None:
+        checks = asyncio.get_running_loop().create_task(self._check_in_loop()) \
+            if self.worker.settings.swa_registry else None
+        try:
+            await self._persist_loop()
+        finally:
+            if checks is not None:
+                checks.cancel()
+                await asyncio.gather(checks, return_exceptions=True)
+
+    async def _persist_loop(self) -> None:
         while True:
             request_id = await self._queue.get()
             job = self.jobs[request_id]
@@ -94,7 +119,7 @@ class BlockPersister:
         self.advertise(states, request_id, job.span)
 
     def advertise(self, hashes: list[bytes], request_id: str = "", span: SpanContext | None = None) -> None:
-        """Register window states this worker holds (holder = its advertised address)."""
+        """Register window states this worker holds (holder = its advertised address, this process)."""
         worker = self.worker
         if not hashes or not worker.settings.swa_registry:
             return
@@ -102,10 +127,51 @@ class BlockPersister:
         for start in range(0, len(hashes), WRITE_BATCH_BLOCKS):
             batch = hashes[start : start + WRITE_BATCH_BLOCKS]
             try:
-                worker.send(worker.settings.swa_registry,
-                            SwaRegister(batch, worker.config.advertise, worker.settings.swa_ttl_s),
-                            request_id=request_id, span=span)
+                worker.send(worker.settings.swa_registry, self._registration(batch), request_id=request_id,
+                            span=span)
                 self.states_registered += len(batch)
             except WireError as exc:
                 worker.log.warning("swa_register.undeliverable", request_id=request_id or None, code=exc.code.name)
+                self._reregister_due = True
                 return
+
+    def _registration(self, hashes: list[bytes], ack: bool = False) -> SwaRegister:
+        worker = self.worker
+        return SwaRegister(hashes, worker.config.advertise, worker.settings.swa_ttl_s, ack, worker.incarnation)
+
+    # ---- the registry's restarts -----------------------------------------------------------------
+    async def _check_in_loop(self) -> None:
+        worker, cfg = self.worker, self.worker.config
+        loop = asyncio.get_running_loop()
+        missed = 0
+        while True:
+            started = loop.time()
+            try:
+                reply = await worker.call(worker.settings.swa_registry, self._registration([], ack=True),
+                                          timeout=cfg.heartbeat_s)
+                missed = 0
+                await self._checked_in(reply.message)
+            except WireError as exc:
+                missed += 1
+                if missed % cfg.dead_after == 0:   # a fresh link; whatever was queued to it may be lost
+                    if missed == cfg.dead_after:
+                        worker.log.warning("swa_registry.unreachable", registry=worker.settings.swa_registry,
+                                           code=exc.code.name)
+                    worker.drop_link(worker.settings.swa_registry)
+                    self._reregister_due = True
+            except Exception:   # a bug, or the engine gone: log it, check in again next interval
+                worker.log.exception("swa_registry.check_in_failed")
+            await asyncio.sleep(max(0.0, cfg.heartbeat_s - (loop.time() - started)))
+
+    async def _checked_in(self, ack) -> None:
+        restarted = bool(self.registry_incarnation) and ack.registry_incarnation != self.registry_incarnation
+        self.registry_incarnation = ack.registry_incarnation
+        if ack.known and not self._reregister_due:
+            return
+        self._reregister_due = False
+        held = await self.worker.engine(held_states)
+        self.advertise(held)
+        self.reregistrations += 1
+        if held or restarted:
+            self.worker.log.info("swa_registry.registered_again", states=len(held), registry_restarted=restarted,
+                                 registry_incarnation=ack.registry_incarnation)

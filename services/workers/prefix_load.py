@@ -108,7 +108,8 @@ class PrefixLoader:
             return None
         try:
             envelope = await worker.call(worker.settings.swa_registry,
-                                         SwaFetch(boundary_hashes, reply_to=worker.config.advertise),
+                                         SwaFetch(boundary_hashes, reply_to=worker.config.advertise,
+                                                  requester_incarnation=worker.incarnation),
                                          request_id=rid, span=span, timeout=worker.settings.fetch_timeout_s)
         except WireError as exc:
             worker.log.warning("swa_fetch.failed", request_id=rid, code=exc.code.name, error=exc.message)

@@ -1,4 +1,5 @@
-"""SwaRegistry: TTL, replacement, ownership, dead holders, capacity and input checks (no sockets)."""
+"""SwaRegistry: TTL, several holders per hash, ownership, dead holders, capacity and input checks
+(no sockets). Incarnations and silent holders: test_incarnations.py."""
 from __future__ import annotations
 
 import math
@@ -92,14 +93,25 @@ def test_reregistering_restarts_the_ttl_and_expire_keeps_the_fresh_entry(reg, cl
     assert reg.lookup([h(1)]) == ["w1"]
 
 
-def test_registering_by_another_holder_replaces_the_holder(reg, clock):
+def test_another_holder_is_found_first_and_the_earlier_one_stays_behind_it(reg, clock):
     reg.register([h(1)], "w1", 10.0)
     clock.now += 8.0
     reg.register([h(1)], "w2", 10.0)
-    assert reg.lookup([h(1)]) == ["w2"] and len(reg) == 1
-    assert reg.drop_holder("w1") == 0          # the old holder no longer owns it
-    clock.now += 5.0
-    assert reg.lookup([h(1)]) == ["w2"]
+    assert reg.lookup([h(1)]) == ["w2"] and len(reg) == 2
+    assert reg.drop_holder("w2") == 1          # the latest holder died: the earlier one still has it
+    assert reg.lookup([h(1)]) == ["w1"]
+    clock.now += 5.0                           # w1's own TTL ran out
+    assert reg.lookup([h(1)]) == [""]
+
+
+def test_a_hash_keeps_its_latest_holders_only(clock):
+    reg = SwaRegistry(RegistryLimits(max_holders_per_hash=2), clock=clock)
+    for holder in ("w1", "w2", "w3"):
+        reg.register([h(1)], holder, 10.0)
+    assert len(reg) == 2 and reg.stats.evictions == 1
+    assert reg.drop_holder("w1") == 0          # the oldest registration made room
+    reg.register([h(1)], "w2", 10.0)           # registering again makes it the latest
+    assert reg.lookup([h(1)]) == ["w2"] and reg.drop_holder("w2") == 1 and reg.lookup([h(1)]) == ["w3"]
 
 
 def test_unregister_by_the_owner_removes_the_entry(reg):
@@ -108,11 +120,12 @@ def test_unregister_by_the_owner_removes_the_entry(reg):
     assert reg.lookup([h(1), h(2)]) == ["", "w1"]
 
 
-def test_unregister_by_a_non_owner_is_a_no_op(reg):
+def test_unregister_removes_only_that_holders_entry(reg):
     reg.register([h(1)], "w1", 10.0)
     reg.register([h(1)], "w2", 10.0)
-    assert reg.unregister([h(1)], "w1") == 0
-    assert reg.lookup([h(1)]) == ["w2"]
+    assert reg.unregister([h(1)], "w3") == 0
+    assert reg.unregister([h(1)], "w2") == 1
+    assert reg.lookup([h(1)]) == ["w1"]
 
 
 def test_drop_holder_removes_all_of_a_dead_workers_entries(reg):
@@ -143,11 +156,13 @@ def test_a_full_registry_drops_expired_entries_before_evicting_live_ones(clock):
     assert reg.lookup([h(2), h(3)]) == ["w1", "w2"]
 
 
-def test_replacing_an_entry_in_a_full_registry_evicts_nothing(clock):
+def test_registering_again_in_a_full_registry_evicts_nothing(clock):
     reg = SwaRegistry(RegistryLimits(max_entries=2), clock=clock)
     reg.register([h(1), h(2)], "w1", 10.0)
-    reg.register([h(1)], "w2", 10.0)
-    assert reg.stats.evictions == 0 and reg.lookup([h(1), h(2)]) == ["w2", "w1"]
+    reg.register([h(1)], "w1", 20.0)
+    assert reg.stats.evictions == 0 and reg.lookup([h(1), h(2)]) == ["w1", "w1"]
+    reg.register([h(1)], "w2", 10.0)         # a new (hash, holder) pair: the one closest to expiry goes
+    assert reg.stats.evictions == 1 and reg.lookup([h(1), h(2)]) == ["w2", ""]
 
 
 def test_ttl_above_the_maximum_is_clamped(clock):
@@ -200,7 +215,8 @@ def test_holder_must_be_a_non_empty_bounded_string(reg, holder):
 
 def test_invalid_limits_are_refused():
     for bad in ({"max_ttl_s": 0}, {"max_ttl_s": math.inf}, {"default_ttl_s": 700.0},
-                {"max_entries": 0}, {"max_hashes_per_message": 0}):
+                {"max_entries": 0}, {"max_hashes_per_message": 0}, {"max_holders_per_hash": 0},
+                {"max_holders": 0}):
         with pytest.raises(ValueError):
             RegistryLimits(**bad)
 

@@ -104,11 +104,12 @@ def sample_sent(registry: SwaRegistryService, type_name: str) -> float | None:
 async def test_register_lookup_unregister_round_trip(tmp_path):
     async with running(tmp_path) as (registry, client, address):
         ack = (await client.call(address, SwaRegister([h(1), h(2)], W1, 180.0, ack=True))).message
-        assert ack == SwaAck(2)
+        assert ack == SwaAck(2, registry.incarnation)
         reply = (await client.call(address, SwaLookup([h(2), h(3), h(1)]))).message
         assert reply == SwaLookupReply([W1, "", W1])
-        assert (await client.call(address, SwaUnregister([h(1)], W2, ack=True))).message == SwaAck(0)
-        assert (await client.call(address, SwaUnregister([h(1)], W1, ack=True))).message == SwaAck(1)
+        for holder, removed in ((W2, 0), (W1, 1)):
+            reply = (await client.call(address, SwaUnregister([h(1)], holder, ack=True))).message
+            assert reply == SwaAck(removed, registry.incarnation)
         reply = (await client.call(address, SwaLookup([h(1), h(2)]))).message
         assert reply.holders == ["", W1]
 
@@ -126,7 +127,8 @@ async def test_register_and_unregister_are_one_way_unless_an_ack_is_asked(tmp_pa
             await client.call(address, SwaUnregister([h(2)], W1), timeout=0.2)
         assert (await client.call(address, SwaLookup([h(1), h(2), h(3)]))).message.holders == ["", "", W1]
         assert sample_sent(registry, "SwaAck") is None       # not one acknowledgement was sent
-        assert (await client.call(address, SwaRegister([h(4)], W2, ack=True))).message == SwaAck(1)
+        reply = (await client.call(address, SwaRegister([h(4)], W2, ack=True))).message
+        assert reply == SwaAck(1, registry.incarnation)
         assert sample_sent(registry, "SwaAck") == 1
 
 
@@ -214,7 +216,8 @@ async def test_invalid_requests_get_a_typed_error_and_the_service_keeps_serving(
             await client.call(address, bad)
         assert err.value.code == ErrorCode.INVALID_REQUEST
         assert len(registry.registry) == 0
-        assert (await client.call(address, SwaRegister([h(1)], W1, ack=True))).message == SwaAck(1)
+        reply = (await client.call(address, SwaRegister([h(1)], W1, ack=True))).message
+        assert reply == SwaAck(1, registry.incarnation)
 
 
 async def test_background_task_expires_entries(tmp_path):

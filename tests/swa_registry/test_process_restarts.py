@@ -1,0 +1,73 @@
+"""The SWA registry and a worker as real processes over TCP, killed with SIGKILL and restarted at the
+same address by hand (as the supervisor does): a restarted registry is filled again by the worker
+within a few check-in intervals, and a worker restarted at its address retires everything its
+predecessor registered as soon as it checks in, long before the registry would judge it silent."""
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+
+import pytest
+
+from messages.swa_registry import SwaLookup
+from ops.control_client import call
+from tests.helpers.test_helper_processes import ServiceProcess, tcp_config, wait_until
+
+pytestmark = pytest.mark.slow   # starts service processes
+
+HOLDER = "tests.swa_registry.test_helper_window_holder:TestHelperWindowHolder"
+HELD = [i.to_bytes(32, "big") for i in range(1, 4)]
+
+
+@pytest.fixture
+def procs(tmp_path):
+    started: list[ServiceProcess] = []
+
+    def start(config):
+        proc = ServiceProcess(config, tmp_path)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+def holders(registry: ServiceProcess) -> list[str] | None:
+    reply = call(registry.address, SwaLookup(HELD), timeout_s=0.5)
+    return list(reply.holders) if reply is not None else None
+
+
+def kill(proc: ServiceProcess) -> None:
+    proc.proc.send_signal(signal.SIGKILL)
+    proc.proc.wait()
+
+
+def test_a_killed_registry_is_rebuilt_and_a_restarted_worker_retires_its_predecessors_windows(procs):
+    # the registry would judge a silent worker only after 20 s: what happens here within a few
+    # seconds is the incarnation at work, not the silence rule
+    registry_config = tcp_config("swa_registry", "swa", heartbeat_s=0.5, dead_after=40)
+    registry = procs(registry_config)
+    registry.wait_running()
+    worker_config = tcp_config(HOLDER, "worker", heartbeat_s=0.5,
+                               settings={"swa_registry": registry.address, "held": [x.hex() for x in HELD]})
+    worker = procs(worker_config)
+    worker.wait_running()
+    wait_until(lambda: holders(registry) == [worker.address] * 3, 10, "the worker's windows registered")
+
+    kill(registry)
+    registry = procs(registry_config)          # same address, a new process: it knows nothing
+    registry.wait_running()
+    back = time.monotonic()
+    wait_until(lambda: holders(registry) == [worker.address] * 3, 10, "the windows registered again")
+    assert time.monotonic() - back < 3.0       # check-ins every 0.5 s
+    assert '"event": "swa_registry.registered_again"' in worker.log()
+
+    kill(worker)                               # a new worker at the old address holds nothing
+    worker = procs(dataclasses.replace(worker_config, settings={"swa_registry": registry.address}))
+    worker.wait_running()
+    back = time.monotonic()
+    wait_until(lambda: holders(registry) == [""] * 3, 10, "the dead process's windows retired")
+    assert time.monotonic() - back < 3.0
+    assert '"seen": "replaced"' in registry.log()
