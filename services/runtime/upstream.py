@@ -1,6 +1,8 @@
 """The link from a service to the one that feeds it: register (the ready handshake), heartbeat
 with load every interval, and reconnect with back-off when the upstream stops answering
-(a liveness counter, as in zguide's Paranoid Pirate)."""
+(a liveness counter, as in zguide's Paranoid Pirate). The back-off stops growing at one heartbeat:
+each Register already waits dead_after_s for its answer, so a longer pause would only leave a
+restarted router without its workers for seconds after it came back."""
 from __future__ import annotations
 
 import asyncio
@@ -40,7 +42,7 @@ class UpstreamLink:
             svc.drop_link(self.address)    # LINGER 0: a fresh socket, nothing stale queued
             self.reconnects += 1
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
+            backoff = min(backoff * 2, BACKOFF_MAX_S, max(svc.config.heartbeat_s, BACKOFF_START_S))
 
     async def _register(self) -> None:
         svc, cfg = self.service, self.service.config
