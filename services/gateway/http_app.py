@@ -38,9 +38,13 @@ def too_busy(protocol: Protocol, why: str) -> GatewayError:
     return GatewayError(529, "overloaded_error", why)
 
 
+RETRY_AFTER_S = 1   # what an overloaded or draining answer tells clients to wait before trying again
+
+
 def _error_response(protocol: Protocol, error: GatewayError) -> web.Response:
-    return web.Response(status=error.status_for(protocol), body=error.body(protocol),
-                        content_type="application/json")
+    status = error.status_for(protocol)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503, 529) else None
+    return web.Response(status=status, body=error.body(protocol), content_type="application/json", headers=headers)
 
 
 def _from_upstream(reply: ErrorReply, protocol: Protocol) -> GatewayError:

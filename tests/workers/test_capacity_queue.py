@@ -44,6 +44,7 @@ async def test_waiting_past_the_deadline_is_429_for_openai_and_529_for_anthropic
 
     async def post(path: str):
         async with http.post(path, json=CHAT) as r:
+            assert r.headers["Retry-After"] == "1"   # when to try again, as both APIs' clients read it
             return r.status, await r.json()
 
     (chat_status, chat), (msg_status, msg) = await asyncio.gather(post("/v1/chat/completions"), post("/v1/messages"))
