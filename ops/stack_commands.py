@@ -117,7 +117,8 @@ def _up_detached(args, run_dir: Path) -> int:
             print((run_dir / "supervisor.out").read_text(), end="")
             return 0
         time.sleep(0.1)
-    print(f"epd up: not ready after {args.wait_s:.0f}s; stopping it", file=sys.stderr)
+    print(f"epd up: not ready after {args.wait_s:.0f}s; stopping it. The supervisor said:", file=sys.stderr)
+    print((run_dir / "supervisor.out").read_text()[-2000:], file=sys.stderr)   # a child's exits, with reasons
     os.kill(proc.pid, signal.SIGTERM)
     proc.wait()
     return 1
@@ -135,7 +136,8 @@ def cmd_down(args) -> int:
     pids = [s["pid"] for s in state["services"] if s["pid"]]
     if _pid_alive(sup):
         os.kill(sup, signal.SIGTERM)
-    deadline = time.monotonic() + state.get("grace_s", 10.0) + args.margin_s
+    # the supervisor drains wave by wave, each within the grace period (ops/launcher.py stop_waves)
+    deadline = time.monotonic() + state.get("stop_timeout_s", state.get("grace_s", 10.0)) + args.margin_s
     while time.monotonic() < deadline and (_pid_alive(sup) or any(_pid_alive(p) for p in pids)):
         time.sleep(0.05)
     left = [p for p in pids if _pid_alive(p)]
@@ -171,26 +173,37 @@ def cmd_status(args) -> int:
     for svc in state["services"]:
         reply = replies[svc["instance"]]
         hb = heard.get(svc["instance"])
+        exited = svc.get("exit_code") is not None
         rows.append({
             "instance": svc["instance"], "kind": svc["kind"], "pid": svc["pid"], "address": svc["address"],
-            "state": ServiceState(reply.state).name.lower() if reply else "unreachable",
+            "state": ServiceState(reply.state).name.lower() if reply else _not_answering(svc),
             "uptime_s": reply.uptime_s if reply else None,
             "queue": reply.load.queue_depth if reply else None,
             "in_flight": reply.load.in_flight if reply else None,
             "peers": f"{sum(p.alive for p in reply.peers)}/{len(reply.peers)}" if reply else "-",
             "last_heartbeat": "-" if hb is None else ("dead" if hb == float("inf") else f"{hb:.1f}s ago"),
-            "restarts": svc["restarts"]})
+            "restarts": svc["restarts"],
+            "last_exit": svc["exit_code"] if exited else "-", "exit_reason": svc.get("exit_reason", "")})
     if args.json:
         print(json.dumps({"supervisor": state["status"], "services": rows}, indent=1))
     else:
         print(f"stack: {state['status']}  (run dir {run_dir.resolve()})")
         cols = ("instance", "kind", "state", "pid", "uptime_s", "queue", "in_flight", "peers",
-                "last_heartbeat", "restarts")
+                "last_heartbeat", "restarts", "last_exit")
         widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
         print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
         for r in rows:
             print("  ".join(str(r[c]).ljust(w) for c, w in zip(cols, widths)))
+        for r in rows:   # why a service is not running, as the supervisor saw its last exit
+            if r["state"] != "running" and r["last_exit"] != "-":
+                print(f"{r['instance']}: exited with code {r['last_exit']}: {r['exit_reason']}")
     return 0 if all(r["state"] == "running" for r in rows) else 3
+
+
+def _not_answering(svc: dict) -> str:
+    """The state of a service that did not answer, as the supervisor knows it: crashed and waiting out
+    its restart back-off ("restarting"), stopped, or running but silent ("unreachable")."""
+    return svc["state"] if svc.get("state") in ("restarting", "stopped", "killed") else "unreachable"
 
 
 # ---- health ------------------------------------------------------------------------------
@@ -224,7 +237,8 @@ def register(subparsers) -> None:
 
     down = subparsers.add_parser("down", help="drain and stop the running stack")
     down.add_argument("--run-dir")
-    down.add_argument("--margin-s", type=float, default=10.0, help="wait beyond the grace period")
+    down.add_argument("--margin-s", type=float, default=10.0,
+                      help="wait this long beyond the stop timeout (a grace period per stop wave)")
     down.set_defaults(func=cmd_down)
 
     status = subparsers.add_parser("status", help="each service's state, load and last heartbeat")

@@ -105,8 +105,12 @@ class GatewayService(Service):
                       encoding=encoding, context_length=context, upstream=self.config.upstream)
 
     async def on_stop(self) -> None:
+        from services.gateway.adapter.errors import OVERLOADED, GatewayError
+        for request in list(self.pending.values()):   # the grace period ran out: a clear error, not a cut connection
+            request.put(GatewayError(503, OVERLOADED, "the gateway stopped before the answer was complete; retry",
+                                     code="shutting_down"))
         if self.http_runner is not None:
-            await self.http_runner.cleanup()
+            await self.http_runner.cleanup()   # the handlers write those errors, then end
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
 

@@ -5,6 +5,7 @@ Config comes from EPD_* environment variables (what `epd up` and Compose set), t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import uvloop
@@ -34,7 +35,13 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(config.log_level)
     service = service_cls(config)
-    return uvloop.run(service.run())
+    code = uvloop.run(service.run())
+    if code:   # a plain line for whoever reads stderr (the supervisor quotes it as the reason)
+        print(f"epd serve: {config.instance} ({config.kind}) exits {code}: {service.failure}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)   # at once: a thread a failed start left behind (an engine's) must not keep it alive
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

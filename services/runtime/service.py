@@ -7,7 +7,8 @@ that register with it, its upstream link, lifecycle (STARTING -> RUNNING -> DRAI
 Dispatch: an accepted request starts at once while fewer than `concurrency` handlers run, else it
 waits in the bounded backlog (`queue_size`; beyond it the sender gets OVERLOADED) and starts when a
 handler ends. Every handler runs in a task of its own (so asyncio.timeout, TaskGroup and
-current_task() behave as anywhere), in a copy of the receiving context.
+current_task() behave as anywhere), in a copy of the receiving context. A draining service takes
+control messages and `continuation_types` (parts of work it holds) only; an ErrorReply is never answered.
 
 Handlers return None or a Message (sent back as the reply). A WireError raised by a handler
 becomes an ErrorReply; any other exception becomes an INTERNAL ErrorReply and an error log.
@@ -24,7 +25,6 @@ from collections import deque
 from typing import Awaitable, Callable
 
 import structlog
-import zmq
 
 from messages import Codec, Envelope, ErrorReply, Message, WireError
 from messages.control import (Drain, Echo, EchoReply, Heartbeat, HeartbeatAck, Load, Register,
@@ -38,7 +38,7 @@ from services.runtime.logs import REQUEST_FIELDS
 from services.runtime.membership import DispatchTracker, MembershipTable, Peer
 from services.runtime.metrics import ServiceMetrics
 from services.runtime.tracing import SpanContext, span_from
-from services.runtime.transport import Inbox, Link
+from services.runtime.transport import CLOSE_LINGER_MS, Inbox, Link, Sockets
 from services.runtime.upstream import UpstreamLink
 
 Handler = Callable[[Message, Context], Awaitable[Message | None]]
@@ -50,6 +50,7 @@ CONTROL_TYPES = (Register, Heartbeat, HeartbeatAck, Registered, StatusQuery, Sta
 class Service:
     kind = "echo"   # the base class alone is a complete diagnostic service: status, membership, echo
     streamed_types: tuple[type, ...] = ()   # parts of a request the subclass summarises itself: no line each
+    continuation_types: tuple[type, ...] = ()   # parts of work already held (a stream's chunks): taken while draining
 
     def __init__(self, config: ServiceConfig):
         self.config = config
@@ -66,8 +67,7 @@ class Service:
         self._handlers: dict[type, Handler] = {
             Register: self._on_register, Heartbeat: self._on_heartbeat, StatusQuery: self._on_status,
             Drain: self._on_drain, Echo: self._on_echo, **self.handlers()}
-        self._zmq: zmq.Context | None = None
-        self._links: dict[str, Link] = {}
+        self.sockets: Sockets | None = None
         self._calls = PendingCalls()
         self._backlog: deque[tuple[Context, contextvars.Context]] = deque()   # accepted, waiting for a free slot
         self._running = 0                          # request handlers running (<= config.concurrency)
@@ -77,6 +77,7 @@ class Service:
         self._active = 0                           # accepted requests not yet finished (backlog + running)
         self._stopped: asyncio.Event | None = None
         self._drain_task: asyncio.Task | None = None
+        self.failure = ""   # why the process exits non-zero: a failed start, or a task it cannot run without
 
     # ---- to override -------------------------------------------------------------------
     def handlers(self) -> dict[type, Handler]:
@@ -114,13 +115,14 @@ class Service:
             loop.add_signal_handler(signal.SIGINT, self.begin_drain)
         self.metrics.queue_depth.set_function(lambda: len(self._backlog))
         self.metrics.in_flight.set_function(self.in_flight)
-        self._zmq = zmq.Context()
+        self.sockets = Sockets(self.config.hwm, lambda frames, link: self._accept(frames, link=link))
         try:
-            self.inbox = Inbox(self._zmq, self.config.bind, self.config.hwm)
+            self.inbox = self.sockets.bind(self.config.bind)
             await self.on_start()
-        except Exception as exc:
-            self.log.error("service.start_failed", error=repr(exc), bind=self.config.bind)
-            self._close_sockets(linger_ms=0)
+        except Exception as exc:   # noqa: BLE001 - whatever failed, say why and exit at once
+            self.failure = str(exc) or repr(exc)
+            self.log.error("service.start_failed", error=self.failure, type=type(exc).__name__, bind=self.config.bind)
+            await self._shutdown(release=self.inbox is not None)   # on_start ran once the inbox was bound
             return 1
         self.inbox.listen(lambda identity, frames: self._accept(frames, identity=identity))
         self._spawn(self._expire_peers())
@@ -135,7 +137,7 @@ class Service:
                       advertise=self.config.advertise, pid=os.getpid())
         await self._stopped.wait()
         await self._shutdown()
-        return 0
+        return 1 if self.failure else 0
 
     def begin_drain(self, grace_s: float | None = None) -> None:
         """Stop taking work; stop once in-flight work is done or the grace period ends. Idempotent."""
@@ -161,7 +163,8 @@ class Service:
         self.log.info("service.drained" if not left else "service.grace_expired", abandoned=left)
         self.stop()
 
-    async def _shutdown(self) -> None:
+    async def _shutdown(self, release: bool = True) -> None:
+        """Cancel what runs, on_stop() (if `release`), close the sockets; after a failed start too."""
         self._set_state(ServiceState.STOPPED)
         self._backlog.clear()
         tasks = [*self._tasks, *self._handler_tasks, *self._background]
@@ -170,29 +173,30 @@ class Service:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._calls.close()
         try:
-            await self.on_stop()
-        finally:
-            self._close_sockets()
-            self.log.info("service.stopped")
-
-    def _close_sockets(self, linger_ms: int | None = None) -> None:
-        for link in self._links.values():
-            link.close(0)
-        self._links.clear()
-        if self.inbox is not None:
-            self.inbox.close() if linger_ms is None else self.inbox.close(linger_ms)
-        if self._zmq is not None:
-            self._zmq.term()
-            self._zmq = None
+            if release:
+                await self.on_stop()
+        except Exception as exc:   # noqa: BLE001 - the sockets must close all the same, or term() hangs
+            self.failure = self.failure or f"on_stop failed: {exc!r}"
+            self.log.exception("service.stop_failed")
+        self.sockets.close(0 if self.failure else CLOSE_LINGER_MS)
+        self.log.info("service.stopped")
 
     def _set_state(self, state: ServiceState) -> None:
         self.state = state
         self.metrics.state.set(int(state))
 
     def _spawn(self, coro) -> asyncio.Task:
+        """A task the service cannot serve without (upstream link, /metrics): if it fails, the process exits 1."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.append(task)
+        task.add_done_callback(self._essential_task_done)
         return task
+
+    def _essential_task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and not self.failure:
+            self.failure = str(task.exception()) or repr(task.exception())
+            self.log.error("service.task_failed", task=task.get_coro().__qualname__, error=self.failure)
+            self.stop()
 
     def in_background(self, coro, failed_event: str, level: str = "error") -> asyncio.Task:
         """Run `coro` beside the handlers, unawaited; a failure is logged as `failed_event`; stop cancels it."""
@@ -208,17 +212,11 @@ class Service:
 
     # ---- sending -----------------------------------------------------------------------
     def link(self, address: str) -> Link:
-        link = self._links.get(address)
-        if link is None:
-            link = self._links[address] = Link(self._zmq, address, self.config.hwm)
-            link.listen(lambda frames: self._accept(frames, link=link))
-        return link
+        return self.sockets.link(address)
 
     def drop_link(self, address: str) -> None:
         """Close the link to a dead or abandoned peer at once (LINGER 0: drop what is queued)."""
-        link = self._links.pop(address, None)
-        if link is not None:
-            link.close(0)
+        self.sockets.drop(address)
         self._calls.fail_to(address)   # calls to it will never be answered
 
     def send(self, address: str, message: Message, *, request_id: str = "", span: SpanContext | None = None,
@@ -254,7 +252,10 @@ class Service:
             self.log.warning("wire.rejected", code=exc.code.name, error=exc.message,
                              origin=identity.hex() if identity is not None else link.address)
             if identity is not None:   # answer on the inbox; never answer a reply (no error ping-pong)
-                self._try_send_inbox(identity, exc.to_reply(), exc.request_id)
+                try:
+                    self.inbox.send(identity, self.codec.encode(exc.to_reply(), request_id=exc.request_id))
+                except WireError as undeliverable:
+                    self.log.warning("reply.undeliverable", code=undeliverable.code.name)
             return
         header = envelope.header
         type_name = type(envelope.message).__name__
@@ -264,15 +265,14 @@ class Service:
         ctx = Context(self, envelope, span_from(header.traceparent), identity=identity, link=link)
         handler = self._handlers.get(type(envelope.message))
         if handler is None:
-            if not isinstance(envelope.message, ErrorReply):
-                self._try_reply(ctx, UnexpectedMessage(f"{self.kind} does not handle {type_name}").to_reply())
-            self.log.warning("message.unhandled", type=type_name, request_id=header.request_id)
+            self._refuse(ctx, UnexpectedMessage(f"{self.kind} does not handle {type_name}"))
             return
         if isinstance(envelope.message, CONTROL_TYPES):
             self._start(self._handle(ctx, handler), contextvars.copy_context())
             return
-        if self.state != ServiceState.RUNNING:
-            self._try_reply(ctx, Draining(f"{self.config.instance} is {ServiceState(self.state).name.lower()}").to_reply())
+        if self.state != ServiceState.RUNNING and not (
+                self.state == ServiceState.DRAINING and isinstance(envelope.message, self.continuation_types)):
+            self._refuse(ctx, Draining(f"{self.config.instance} is {ServiceState(self.state).name.lower()}"))
             return
         if self._running < self.config.concurrency:   # a free slot: the backlog is empty, start now
             self._running += 1
@@ -282,8 +282,17 @@ class Service:
             self._backlog.append((ctx, contextvars.copy_context()))
             self._active += 1
         else:
-            self._try_reply(ctx, Overloaded(f"{self.config.instance} inbound queue is full "
-                                            f"({self.config.queue_size})").to_reply())
+            self._refuse(ctx, Overloaded(f"{self.config.instance} inbound queue is full ({self.config.queue_size})"))
+
+    def _refuse(self, ctx: Context, error: WireError) -> None:
+        """Answer what this service will not take with a typed error, but never an error: two services
+        refusing each other's errors would bounce them back and forth without end."""
+        self.metrics.error(error.code.name)
+        answered = not isinstance(ctx.message, ErrorReply)
+        self.log.warning("message.refused", code=error.code.name, type=type(ctx.message).__name__,
+                         answered=answered, request_id=ctx.request_id or None, sender=ctx.sender)
+        if answered:
+            self._try_reply(ctx, error.to_reply())
 
     def _start(self, coro, context: contextvars.Context) -> None:
         task = asyncio.get_running_loop().create_task(coro, context=context)
@@ -347,12 +356,6 @@ class Service:
         except WireError as exc:
             self.log.warning("reply.undeliverable", code=exc.code.name, request_id=ctx.request_id)
 
-    def _try_send_inbox(self, identity: bytes, reply: Message, request_id: str) -> None:
-        try:
-            self.inbox.send(identity, self.codec.encode(reply, request_id=request_id))
-        except WireError as exc:
-            self.log.warning("reply.undeliverable", code=exc.code.name)
-
     # ---- built-in handlers -------------------------------------------------------------
     async def _on_register(self, msg: Register, ctx: Context) -> Registered:
         self.members.register(msg.instance, msg.kind, msg.address, msg.role, time.monotonic())
@@ -390,11 +393,8 @@ class Service:
                     self.drop_link(peer.address)
                     self.on_peer_dead(peer)
                 except Exception:   # noqa: BLE001 - one failing hook must not end dead-peer detection
-                    self._report_failure("peer.dead_hook_failed", peer.instance)
+                    try:
+                        self.log.exception("peer.dead_hook_failed", peer=peer.instance)
+                    except Exception:   # noqa: BLE001 - the log itself failed (a closed stream): stderr is left
+                        traceback.print_exc()
             self.metrics.peers_alive.set(len(self.members.alive()))
-
-    def _report_failure(self, event: str, peer: str) -> None:
-        try:
-            self.log.exception(event, peer=peer)
-        except Exception:   # noqa: BLE001 - the log itself failed (a closed stream): stderr is all that is left
-            traceback.print_exc()

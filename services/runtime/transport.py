@@ -194,7 +194,11 @@ class Inbox(_Endpoint):
         super().__init__(ctx, zmq.ROUTER, hwm, copied_frames=3)   # identity, tag, header
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # unroutable replies raise instead of vanishing
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)    # a reconnecting peer takes over its identity
-        self.sock.bind(bind)
+        try:
+            self.sock.bind(bind)
+        except zmq.ZMQError as exc:   # an open socket would block the context's term() forever
+            self.sock.close(linger=0)
+            raise OSError(exc.errno, f"cannot bind {bind}: {zmq.strerror(exc.errno).lower()}") from None
         self.bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     async def recv(self) -> tuple[bytes, list]:
@@ -217,7 +221,11 @@ class Link(_Endpoint):
         self.address = address
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-        self.sock.connect(address)
+        try:
+            self.sock.connect(address)
+        except zmq.ZMQError as exc:   # as for a failed bind: close it, or term() waits on it forever
+            self.sock.close(linger=0)
+            raise OSError(exc.errno, f"cannot connect to {address}: {zmq.strerror(exc.errno).lower()}") from None
 
     async def recv(self) -> list:
         return await self._recv()
@@ -228,3 +236,42 @@ class Link(_Endpoint):
 
     def send(self, frames: list) -> None:
         self._send(frames, self.address)
+
+
+class Sockets:
+    """Every ZeroMQ socket of one service, in one context: its Inbox, and a Link per peer address
+    (opened on first use; `on_link_message(frames, link)` reads what comes back on it)."""
+
+    def __init__(self, hwm: int, on_link_message: Callable[[list, Link], None]):
+        self.ctx = zmq.Context()
+        self.hwm = hwm
+        self.inbox: Inbox | None = None
+        self.links: dict[str, Link] = {}
+        self._on_link_message = on_link_message
+
+    def bind(self, address: str) -> Inbox:
+        self.inbox = Inbox(self.ctx, address, self.hwm)
+        return self.inbox
+
+    def link(self, address: str) -> Link:
+        link = self.links.get(address)
+        if link is None:
+            link = self.links[address] = Link(self.ctx, address, self.hwm)
+            link.listen(lambda frames: self._on_link_message(frames, link))
+        return link
+
+    def drop(self, address: str) -> None:
+        """Close the link to `address` at once (LINGER 0: what is queued for it is dropped)."""
+        link = self.links.pop(address, None)
+        if link is not None:
+            link.close(0)
+
+    def close(self, inbox_linger_ms: int = CLOSE_LINGER_MS) -> None:
+        """The links at once, the inbox once its last replies left, then the context. destroy() also
+        closes any socket left open (a failed start's), which would block the context's term() forever."""
+        for link in self.links.values():
+            link.close(0)
+        self.links.clear()
+        if self.inbox is not None:
+            self.inbox.close(inbox_linger_ms)
+        self.ctx.destroy(linger=0)
