@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "ops.bench",             # bench ...
     "ops.model_commands",    # model init
     "ops.replay_command",    # replay-check
+    "ops.chaos.command",     # chaos
 )
 
 

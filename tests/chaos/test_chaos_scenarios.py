@@ -1,0 +1,65 @@
+"""`epd chaos` scenarios on a real stack (the default topology as processes, started as the command
+starts it): the cheap ones that must pass, and the client's deadline, which keeps every scenario
+from hanging on a stream that stops. The kill scenarios import the same way (ops.chaos.scenarios)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from ops.chaos.client import Limits
+from ops.chaos.runner import Context, send_all, stream_bodies
+from ops.chaos.scenarios import bind_fail, disconnect
+from ops.chaos.stack import ChaosStack, send_cont
+
+pytestmark = pytest.mark.slow
+REPLICAS = 1        # one prefill and one decode worker: `epd chaos` runs two, but a test starts fast
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory, tiny_v41_model_dir):
+    stack = ChaosStack.start(tmp_path_factory.mktemp("chaos"), tiny_v41_model_dir, REPLICAS)
+    pids = [stack.state()["supervisor_pid"], *(s["pid"] for s in stack.services())]
+    yield Context(stack, Limits(chunk_timeout_s=30.0, total_timeout_s=60.0), recover_s=30.0, quiet=True)
+    down = stack.down()
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not [p for p in pids if _alive(p)], "epd down left a process of the chaos stack behind"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_disconnecting_clients_give_back_every_page(ctx):
+    [row] = asyncio.run(disconnect(ctx))
+    assert row.ok, row.failures + row.notes
+    assert (row.requests, row.completed) == (20, 20)
+
+
+def test_a_service_whose_port_is_taken_exits_and_the_supervisor_reports_it(ctx):
+    restarts = ctx.stack.service("swa_registry-0")["restarts"]
+    [row] = asyncio.run(bind_fail(ctx))
+    assert row.ok, row.failures + row.notes
+    assert ctx.stack.service("swa_registry-0")["restarts"] >= restarts + 2   # our kill, then the failed bind
+    assert row.completed == 1                                              # serving again afterwards
+
+
+def test_a_stream_that_stops_ends_at_the_client_deadline_with_an_error(ctx):
+    """The gateway frozen: the request gets no answer; the client gives up at its deadline and
+    says so, rather than hanging (what keeps a failing scenario from stalling `epd chaos`)."""
+    gateway = ctx.stack.services("gateway")[0]["pid"]
+    short = Context(ctx.stack, Limits(chunk_timeout_s=1.5, total_timeout_s=10.0), quiet=True)
+    os.kill(gateway, signal.SIGSTOP)
+    try:
+        [result] = asyncio.run(send_all(short, stream_bodies(short, "frozen", count=1, max_tokens=4)))
+    finally:
+        send_cont(gateway)
+    assert not result.completed and result.error.startswith("client deadline")
+    assert 1.5 <= result.stall_s < 5.0
+    assert ctx.stack.wait_healthy(30.0)
