@@ -180,6 +180,7 @@ def cmd_status(args) -> int:
             "uptime_s": reply.uptime_s if reply else None,
             "queue": reply.load.queue_depth if reply else None,
             "in_flight": reply.load.in_flight if reply else None,
+            "kv_usage": reply.load.kv_usage if reply else None,   # workers: share of KV pages in use
             "peers": f"{sum(p.alive for p in reply.peers)}/{len(reply.peers)}" if reply else "-",
             "last_heartbeat": "-" if hb is None else ("dead" if hb == float("inf") else f"{hb:.1f}s ago"),
             "restarts": svc["restarts"],

@@ -10,10 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +20,8 @@ import urllib.error
 import urllib.request
 from importlib import resources
 from pathlib import Path
+
+from ops.ports import free_port_base
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER_KINDS = ("decode_worker", "unified_worker", "prefill_worker")   # whose engine settings the baseline takes
@@ -66,25 +66,6 @@ def moved_topology(text: str, port_base: int) -> str:
         return f"tcp://{host}:{port_base + port - old_base}"
 
     return re.sub(rf"tcp://{re.escape(host)}:(\d+)", move, text)
-
-
-def free_port_base(count: int, offset: int) -> int:
-    """A port base whose `count` ports and their metrics ports (+offset) are all free now."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 40000)
-        if all(_port_free(p) for p in [*range(base, base + count), *range(base + offset, base + offset + count)]):
-            return base
-    raise RuntimeError("no free range of local ports")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 class LocalStack:

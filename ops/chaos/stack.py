@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ import urllib.error
 import urllib.request
 from importlib import resources
 from pathlib import Path
+
+from ops.ports import free_port_base
 
 REPO = Path(__file__).resolve().parents[2]
 SCALED = ("prefill_worker", "decode_worker")     # the pools the chaos stack runs two of
@@ -39,40 +40,6 @@ def scaled_topology_text(text: str, replicas: int) -> str:
     got = {s["name"]: s.get("replicas", 1) for s in data["service"]}
     assert all(got[name] == replicas for name in SCALED), got
     return text
-
-
-def free_port_base(count: int, offset: int = 100) -> int:
-    """A port base whose `count` ports and their metrics ports (+offset) are all free now, below
-    the kernel's ephemeral range: there an outgoing connection of the stack itself could take one
-    of them first (a restarted service would then find its port in use)."""
-    import random
-    low, high = 20000, ephemeral_ports()[0] - offset - count
-    if high <= low:
-        low, high = 10000, 20000
-    for _ in range(200):
-        base = random.randrange(low, high)
-        ports = [*range(base, base + count), *range(base + offset, base + offset + count)]
-        if all(port_free(p) for p in ports):
-            return base
-    raise RuntimeError("no free range of local ports")
-
-
-def ephemeral_ports() -> tuple[int, int]:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = f.read().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 class ChaosStack:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from ops.ports import free_port_base  # noqa: F401 - the stack tests import it from here
 from ops.topology import load_topology
 from tests.helpers.test_helper_processes import REPO
 
@@ -20,23 +19,6 @@ def link_model(cwd: Path, model_dir: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     if not target.exists():
         target.symlink_to(model_dir)
-
-
-def free_port_base(count: int, offset: int = 100) -> int:
-    """A port base whose `count` ports and their metrics ports (+offset) are all free now."""
-    for _ in range(200):
-        base = random.randrange(20000, 40000)
-        ok = True
-        for port in [*range(base, base + count), *range(base + offset, base + offset + count)]:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise AssertionError("no free port range")
 
 
 def pid_alive(pid: int) -> bool:
