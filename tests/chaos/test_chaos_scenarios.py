@@ -1,6 +1,9 @@
 """`epd chaos` scenarios on a real stack (the default topology as processes, started as the command
-starts it): the cheap ones that must pass, and the client's deadline, which keeps every scenario
-from hanging on a stream that stops. The kill scenarios import the same way (ops.chaos.scenarios)."""
+starts it, one worker of each kind so it starts fast): disconnects, a port taken, the client's
+deadline (which keeps every scenario from hanging on a stream that stops), and the faults: the decode
+worker SIGKILLed (its streams resume on the restarted process, identical to a fault-free run), the
+decode worker SIGSTOPped past the heartbeat limit (its streams move; when it wakes, its old attempts
+are stopped and none of their tokens reach a client), the prefill router SIGKILLed and restarted."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +14,8 @@ import pytest
 
 from ops.chaos.client import Limits
 from ops.chaos.runner import Context, send_all, stream_bodies
-from ops.chaos.scenarios import bind_fail, disconnect
+from ops.chaos import faults
+from ops.chaos.scenarios import bind_fail, decode_freeze, decode_kill, disconnect, router_restart
 from ops.chaos.stack import ChaosStack, send_cont
 
 pytestmark = pytest.mark.slow
@@ -63,3 +67,25 @@ def test_a_stream_that_stops_ends_at_the_client_deadline_with_an_error(ctx):
     assert not result.completed and result.error.startswith("client deadline")
     assert 1.5 <= result.stall_s < 5.0
     assert ctx.stack.wait_healthy(30.0)
+
+
+def _identical(row) -> None:
+    assert row.ok, row.failures + row.notes
+    assert row.requests == row.completed == 8 and row.identical == 8, row
+
+
+def test_a_killed_decode_workers_streams_resume_identical(ctx):
+    [row] = asyncio.run(decode_kill(ctx))
+    _identical(row)
+
+
+def test_a_frozen_decode_workers_streams_move_and_its_old_attempts_are_stopped(ctx, monkeypatch):
+    monkeypatch.setattr(faults, "FREEZE_S", 5.0)   # past the 3 s heartbeat limit, and a short test
+    [row] = asyncio.run(decode_freeze(ctx))
+    _identical(row)
+
+
+def test_a_restarted_prefill_router_loses_no_request(ctx, monkeypatch):
+    monkeypatch.setattr(faults, "ROUTERS", ("prefill_router",))
+    [row] = asyncio.run(router_restart(ctx))
+    _identical(row)
