@@ -10,25 +10,11 @@ import pytest
 
 from messages.routing import DecodeTable, DecodeTableQuery
 from ops.control_client import call
-from tests.helpers.test_helper_processes import ServiceProcess, tcp_config, wait_until
+from tests.helpers.test_helper_processes import ServiceProcess, procs, tcp_config, wait_until  # noqa: F401 - procs is a fixture
 
 pytestmark = pytest.mark.slow   # starts service processes
 
 DECODE_WORKER = "tests.decode_router.test_service:TestHelperDecodeWorker"   # kind "decode_worker"
-
-
-@pytest.fixture
-def procs(tmp_path):
-    started: list[ServiceProcess] = []
-
-    def start(config):
-        proc = ServiceProcess(config, tmp_path)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        proc.stop()
 
 
 def listed(router: ServiceProcess) -> list[str]:

@@ -1,6 +1,8 @@
 """Test-only helpers: start service processes over real sockets and wait for them without sleeping."""
 from __future__ import annotations
 
+import pytest
+
 import os
 import socket
 import subprocess
@@ -71,3 +73,18 @@ class ServiceProcess:
 def tcp_config(kind: str, instance: str, **fields) -> ServiceConfig:
     port = free_port()
     return ServiceConfig(kind=kind, instance=instance, bind=f"tcp://127.0.0.1:{port}", **fields)
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """procs(config) -> a started ServiceProcess; every one is stopped after the test."""
+    started: list[ServiceProcess] = []
+
+    def start(config):
+        proc = ServiceProcess(config, tmp_path)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()

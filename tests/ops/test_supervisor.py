@@ -17,6 +17,7 @@ from ops.launcher import exit_reason, port_in_use, stop_waves
 from ops.topology import load_topology, parse_topology
 from tests.helpers.test_helper_processes import REPO, wait_until
 from tests.helpers.test_helper_stack import free_port_base, pid_alive
+from tests.ops.test_stack_commands import write_topology
 
 RELAY = "tests.helpers.test_helper_relay:TestHelperRelay"
 
@@ -103,23 +104,7 @@ def stack(tmp_path):
 
 @pytest.mark.slow
 def test_a_child_that_cannot_bind_is_reported_backs_off_and_recovers(stack, tmp_path):
-    base = free_port_base(3)
-    topology = tmp_path / "t.toml"
-    topology.write_text(f"""
-[stack]
-port_base = {base}
-grace_s = 3.0
-[[service]]
-name = "hub"
-kind = "echo"
-heartbeat_s = 0.5
-[[service]]
-name = "worker"
-kind = "echo"
-replicas = 2
-upstream = "hub"
-heartbeat_s = 0.5
-""")
+    topology = write_topology(tmp_path / "t.toml", free_port_base(3))   # a hub and two echo workers
     stack.epd("up", "--detach", "--topology", str(topology))
     victim = stack.service("worker-1")
     address = victim["address"]

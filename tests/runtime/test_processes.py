@@ -13,7 +13,7 @@ from messages import Codec
 from messages.control import Echo, EchoReply, ServiceState
 from messages.errors import ErrorCode, ErrorReply
 from services.workers.tensors import to_frame, torch_frame
-from tests.helpers.test_helper_processes import ServiceProcess, tcp_config, wait_until
+from tests.helpers.test_helper_processes import procs, tcp_config, wait_until  # noqa: F401 - procs is a fixture
 
 pytestmark = pytest.mark.slow   # starts service processes
 
@@ -42,20 +42,6 @@ class SyncClient:
     def close(self):
         self.sock.close(0)
         self.ctx.term()
-
-
-@pytest.fixture
-def procs(tmp_path):
-    started: list[ServiceProcess] = []
-
-    def start(config):
-        proc = ServiceProcess(config, tmp_path)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        proc.stop()
 
 
 def test_tensor_buffers_arrive_intact_across_processes(procs):

@@ -12,26 +12,12 @@ import pytest
 
 from messages.swa_registry import SwaLookup
 from ops.control_client import call
-from tests.helpers.test_helper_processes import ServiceProcess, tcp_config, wait_until
+from tests.helpers.test_helper_processes import ServiceProcess, procs, tcp_config, wait_until  # noqa: F401 - procs is a fixture
 
 pytestmark = pytest.mark.slow   # starts service processes
 
 HOLDER = "tests.swa_registry.test_helper_window_holder:TestHelperWindowHolder"
 HELD = [i.to_bytes(32, "big") for i in range(1, 4)]
-
-
-@pytest.fixture
-def procs(tmp_path):
-    started: list[ServiceProcess] = []
-
-    def start(config):
-        proc = ServiceProcess(config, tmp_path)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        proc.stop()
 
 
 def holders(registry: ServiceProcess) -> list[str] | None:
