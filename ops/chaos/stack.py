@@ -29,16 +29,23 @@ DOWN_TIMEOUT_S = 60.0
 POLL_S = 0.1
 
 
-def scaled_topology_text(text: str, replicas: int) -> str:
-    """The topology with `replicas = N` for each service in SCALED (its `name = ...` line gets one)."""
+def scaled_topology_text(text: str, replicas: int, worker_settings: dict | None = None) -> str:
+    """The topology with `replicas = N` for each service in SCALED (its `name = ...` line gets one),
+    and `worker_settings` added to their settings tables."""
+    extra = "".join(f"\n{key} = {json.dumps(value)}" for key, value in (worker_settings or {}).items())
     for name in SCALED:
         pattern = re.compile(rf'^(name\s*=\s*"{name}"\s*)$', re.MULTILINE)
         text, count = pattern.subn(rf"\1\nreplicas = {replicas}", text)
         if count != 1:
             raise ValueError(f"the topology has no single service named {name!r}")
+        if extra:   # the first settings table after the service's name is its own
+            at = text.index("[service.settings]", pattern.search(text).end()) + len("[service.settings]")
+            text = text[:at] + extra + text[at:]
     data = tomllib.loads(text)    # fails loudly if the edit broke the file
     got = {s["name"]: s.get("replicas", 1) for s in data["service"]}
     assert all(got[name] == replicas for name in SCALED), got
+    assert all(s["settings"][k] == v for s in data["service"] if s["name"] in SCALED
+               for k, v in (worker_settings or {}).items()), "worker settings not applied"
     return text
 
 
@@ -55,14 +62,17 @@ class ChaosStack:
 
     # ---- start / attach / stop ---------------------------------------------------------------
     @classmethod
-    def start(cls, workdir: Path, model_dir: Path, replicas: int = 2) -> "ChaosStack":
-        """`epd up --detach` of the default topology scaled to `replicas` prefill and decode workers.
-        The KV store path of the topology is relative, so it lands in `workdir`, fresh."""
+    def start(cls, workdir: Path, model_dir: Path, replicas: int = 2,
+              worker_settings: dict | None = None) -> "ChaosStack":
+        """`epd up --detach` of the default topology scaled to `replicas` prefill and decode workers
+        (with `worker_settings` added). The KV store path of the topology is relative, so it lands
+        in `workdir`, fresh."""
         from ops.topology import parse_topology
         workdir = workdir.resolve()
         run_dir = workdir / "runs" / "chaos"
         run_dir.mkdir(parents=True, exist_ok=True)
-        text = scaled_topology_text((resources.files("ops.topologies") / "default.toml").read_text(), replicas)
+        text = scaled_topology_text((resources.files("ops.topologies") / "default.toml").read_text(), replicas,
+                                    worker_settings)
         topology_path = run_dir / "topology.toml"
         topology_path.write_text(text)
         count = len(parse_topology(tomllib.loads(text)).instances())

@@ -114,6 +114,15 @@ def test_the_default_topology_is_scaled_to_two_prefill_and_two_decode_workers():
                                                    "swa_registry"}
 
 
+def test_worker_settings_go_to_each_worker_and_nowhere_else():
+    text = scaled_topology_text((resources.files("ops.topologies") / "default.toml").read_text(), 1,
+                                {"batch_invariant": True})
+    settings = {s["name"]: s.get("settings", {}) for s in tomllib.loads(text)["service"]}
+    assert settings["prefill_worker"]["batch_invariant"] is True and settings["decode_worker"]["batch_invariant"] is True
+    assert [name for name, values in settings.items() if "batch_invariant" in values] == ["prefill_worker",
+                                                                                         "decode_worker"]
+
+
 def test_the_chaos_command_is_registered_with_its_scenarios():
     args = build_parser().parse_args(["chaos", "--scenario", "decode_kill", "--scenario", "storm", "--json", "x"])
     assert args.scenario == ["decode_kill", "storm"] and args.json == "x"

@@ -108,11 +108,18 @@ def test_a_child_that_cannot_bind_is_reported_backs_off_and_recovers(stack, tmp_
     stack.epd("up", "--detach", "--topology", str(topology))
     victim = stack.service("worker-1")
     address = victim["address"]
-    os.kill(victim["pid"], signal.SIGKILL)
-    wait_until(lambda: not pid_alive(victim["pid"]), 10, "worker-1 to die (its sockets close with it)", poll_s=0.01)
-    with socket.socket() as squatter:   # takes the port before the supervisor's restart (1 s back-off)
+    supervisor = stack.state()["supervisor_pid"]
+    os.kill(supervisor, signal.SIGSTOP)   # no restart can take the port before the squatter does
+    try:
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_until(lambda: not pid_alive(victim["pid"]), 10, "worker-1 to die (its sockets close with it)",
+                   poll_s=0.01)
+        squatter = socket.socket()
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        squatter.bind(("127.0.0.1", int(address.rpartition(":")[2])))
+        wait_until(lambda: _bound(squatter, int(address.rpartition(":")[2])), 10, "the squatter to take the port")
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
+    with squatter:
         squatter.listen()
 
         def exits() -> list[dict]:
@@ -181,3 +188,12 @@ settings = {{ downstream = "@middle" }}
     assert moment("middle-0", "service.stopped") < moment("back-0", "service.draining")
     waves = [e["services"] for e in stack.events("supervisor") if e["event"] == "stack.stopping"]
     assert waves == [["front"], ["middle"], ["back"]]
+
+
+def _bound(sock: socket.socket, port: int) -> bool:
+    """Bind `sock` to the port if the killed process's sockets have let go of it."""
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
