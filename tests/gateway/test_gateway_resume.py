@@ -166,3 +166,26 @@ async def test_a_prefill_ranks_death_reported_after_the_stream_began_is_not_a_re
     status, body = await asyncio.wait_for(pending, 10)
     assert status == 200 and body["usage"]["completion_tokens"] == 3
     assert b.received == {}                                            # never resumed
+
+
+async def test_a_request_id_already_in_flight_gets_its_own_suffix(resume_stack):
+    """Two requests under one client-given x-request-id must not share the gateway's entry (each
+    would get the other's chunks): the second one gets a unique suffix, named in its answer."""
+    gateway, _, a, _, http, _ = await resume_stack(STALLS_AFTER(1), WHOLE)
+
+    async def post():
+        async with http.post("/v1/chat/completions", json={**BODY, "max_tokens": 2},
+                             headers={"x-request-id": "req-d"}) as r:
+            return r.headers["x-request-id"], await r.json()
+    first = asyncio.create_task(post())
+    await eventually(lambda: "req-d" in a.received, what="the first request at worker a")
+    second = asyncio.create_task(post())
+    await eventually(lambda: len(a.received) == 2, what="the second request at worker a")
+    ids = sorted(a.received)
+    assert ids[0] == "req-d" and ids[1].startswith("req-d-")
+    for wire in ids:
+        a.send_chunk(gateway.config.advertise, wire, GenerateChunk([positional_token(1)], int(FinishReason.LENGTH),
+                                                                   usage=Usage(10, 0, 2)))
+    answers = await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert sorted(rid for rid, _ in answers) == ids
+    assert all(body["usage"]["completion_tokens"] == 2 for _, body in answers)
