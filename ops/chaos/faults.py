@@ -7,7 +7,7 @@ import signal
 import time
 
 from ops.chaos.client import Flight
-from ops.chaos.runner import (STREAMS, Context, busiest, check_streams, fill_row, mid_stream, recovered,
+from ops.chaos.runner import (Context, busiest, check_streams, fill_row, mid_stream, recovered,
                               send_all, stream_bodies, wait_busy, watch_restart)
 from ops.chaos.stack import send_cont
 from ops.chaos.table import Row
@@ -104,7 +104,7 @@ async def router_restart(ctx: Context) -> list[Row]:
     """SIGKILL the prefill router, the SWA registry and the decode router in turn, each while 8
     streams run; the supervisor restarts it; every stream completes, identical."""
     rows = []
-    bodies = stream_bodies(ctx, "decode", count=STREAMS)
+    bodies = stream_bodies(ctx, "decode")
     baseline = await ctx.baseline("decode", bodies)
     for name in ROUTERS:
         row = Row(f"router_restart:{name}")

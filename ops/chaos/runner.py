@@ -31,6 +31,7 @@ class Context:
     limits: Limits = field(default_factory=Limits)
     salt: str = field(default_factory=lambda: str(time.time_ns()))   # fresh prompts on a reused stack
     recover_s: float = 90.0     # how long a killed service may take to be back
+    streams: int = STREAMS      # concurrent streams of the kill, freeze and restart scenarios
     baselines: dict[str, list[Result]] = field(default_factory=dict)
     quiet: bool = False
 
@@ -57,9 +58,11 @@ def prompt(seed: str, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def stream_bodies(ctx: Context, name: str, count: int = STREAMS, words: int = 60,
+def stream_bodies(ctx: Context, name: str, count: int = 0, words: int = 60,
                   max_tokens: int = STREAM_TOKENS, prefix_words: int = 0) -> list[dict]:
-    """`count` greedy streaming chat bodies; with prefix_words they share a prefix of that length."""
+    """`count` (default ctx.streams) greedy streaming chat bodies; with prefix_words they share a
+    prefix of that length."""
+    count = count or ctx.streams
     prefix = prompt(f"{ctx.salt}-{name}-prefix", prefix_words) + " " if prefix_words else ""
     return [chat_body(ctx.stack.model, prefix + prompt(f"{ctx.salt}-{name}-{i}", words), max_tokens)
             for i in range(count)]

@@ -24,13 +24,15 @@ REPLICAS = 1        # one prefill and one decode worker: `epd chaos` runs two, b
 # greedy token when a resume changes who shares a decode step (seen once in CI), which would say
 # nothing about the fault handling these tests check.
 BATCH_INVARIANT = {"batch_invariant": True}
+STREAMS = 4         # concurrent streams per fault (`epd chaos` runs 8): the same paths, half the CPU time
 
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory, tiny_v41_model_dir):
     stack = ChaosStack.start(tmp_path_factory.mktemp("chaos"), tiny_v41_model_dir, REPLICAS, BATCH_INVARIANT)
     pids = [stack.state()["supervisor_pid"], *(s["pid"] for s in stack.services())]
-    yield Context(stack, Limits(chunk_timeout_s=30.0, total_timeout_s=60.0), recover_s=30.0, quiet=True)
+    yield Context(stack, Limits(chunk_timeout_s=30.0, total_timeout_s=60.0), recover_s=30.0, quiet=True,
+                  streams=STREAMS)
     down = stack.down()
     assert down.returncode == 0, down.stdout + down.stderr
     assert not [p for p in pids if _alive(p)], "epd down left a process of the chaos stack behind"
@@ -75,7 +77,7 @@ def test_a_stream_that_stops_ends_at_the_client_deadline_with_an_error(ctx):
 
 def _identical(row) -> None:
     assert row.ok, row.failures + row.notes
-    assert row.requests == row.completed == 8 and row.identical == 8, row
+    assert row.requests == row.completed == STREAMS and row.identical == STREAMS, row
 
 
 def test_a_killed_decode_workers_streams_resume_identical(ctx):
