@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from engine.scheduler import Scheduler, Sequence, SequenceStatus
 from messages.common import FinishReason, SamplingParams
 from messages.handoff import KVSnapshot
 from messages.prefix import BLOCK_TOKENS, model_identity
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
 
 
 @dataclass(slots=True)
@@ -83,6 +87,9 @@ class EngineRequest:
     arrival_time: float = 0.0
     exact_prefix: bool = False  # take no approximate (bounded replay) prefix hit: a resumed request must
                                 # continue exactly as the uninterrupted one would have
+    # Structured output: the request's matcher, built by the caller with every token the request has
+    # already produced (restore's generated_ids) replayed into it; the engine feeds it what it samples.
+    grammar: GrammarState | None = None
 
 
 @dataclass(slots=True)
@@ -207,7 +214,8 @@ class EngineCore:
                 generated_ids: Seq[int] = ()) -> None:
         """Continue a request from another engine's snapshot; `generated_ids` are the tokens it had
         already produced (StateHandoff.generated_ids). The snapshot must leave at least one token
-        to feed (normally the last generated one)."""
+        to feed (normally the last generated one). `request.grammar` is taken as given: the caller
+        built it with generated_ids replayed, so they are not fed to it again here."""
         seq = self._new_sequence(request, generated_ids)
         seq.restored = parse_snapshot(self.kv, self.model_id, snapshot, list(buffers), seq.block_hashes)
         if snapshot.num_tokens >= len(seq.token_ids):
@@ -306,7 +314,7 @@ class EngineCore:
                              f"max_tokens is {params.max_tokens}")
         generator = make_generator(params.seed, rid, self.model.device)
         return Sequence(rid, tokens, len(prompt), params, self.model_id, request.arrival_time, generator,
-                        exact_prefix=request.exact_prefix)
+                        exact_prefix=request.exact_prefix, grammar=request.grammar)
 
     def _running(self, request_id: str) -> Sequence:
         seq = self.requests.get(request_id)

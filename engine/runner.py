@@ -2,17 +2,21 @@
 
 Batched mode packs every chunk into one forward. Batch-invariant mode runs one forward per
 sequence, so a sequence's numerics never see the other rows (the scheduler keeps its chunks
-independent of the batch too).
+independent of the batch too). Rows whose grammar is active get its token bitmask applied to their
+logits before sampling (engine/grammar/); a batch without one does no mask work at all.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.grammar.mask import apply_token_bitmask_, fill_bitmasks
 from engine.kv.manager import KVCache
 from engine.model.model import DeepseekV4
 from engine.sampling import SampleResult, sample, seed_step
+from engine.sampling.logprobs import chosen_logprobs, raw_logprobs, top_logprobs
 from engine.scheduler.sequence import Sequence
+from messages.common import SamplingParams
 
 
 class ModelRunner:
@@ -25,6 +29,8 @@ class ModelRunner:
         Returns the sequences that got a token and the sample (rows in that order).
         """
         logits = self._forward(scheduled)
+        # Grammar masks are filled on the CPU here, while an accelerator may still run the forward.
+        bitmask = self._grammar_bitmask(scheduled, logits.shape[-1])
         ready = []
         for row, (seq, count) in enumerate(scheduled):
             seq.num_computed += count
@@ -39,10 +45,27 @@ class ModelRunner:
         seqs = [scheduled[row][0] for row in ready]
         rows = logits if len(ready) == len(scheduled) else logits[torch.tensor(ready, device=logits.device)]
         rows = rows.float()
+        params = [s.sampling for s in seqs]
+        unmasked = None
+        if bitmask is not None:
+            if any(p.logprobs or p.top_logprobs for p in params):
+                unmasked = rows.clone()   # logprobs are reported under the model's raw distribution
+            apply_token_bitmask_(rows, bitmask)   # one host-to-device copy inside
         for seq in seqs:   # the draw for output token k depends on (seed, k) only: hand-offs and resumes match
             if seq.generator is not None:
                 seed_step(seq.generator, seq.sampling.seed, seq.sampling.step_offset + seq.num_generated)
-        return seqs, sample(rows, [s.sampling for s in seqs], [s.generator for s in seqs])
+        result = sample(rows, params, [s.generator for s in seqs])
+        if unmasked is not None:
+            _report_unmasked_logprobs(result, unmasked, params)
+        return seqs, result
+
+    @staticmethod
+    def _grammar_bitmask(scheduled: list[tuple[Sequence, int]], vocab_size: int) -> torch.Tensor | None:
+        """The ready rows' token bitmask (CPU), or None when no ready row has an active grammar."""
+        states = [seq.grammar for seq, count in scheduled if seq.num_computed + count == len(seq.token_ids)]
+        if not any(state is not None and state.active for state in states):
+            return None
+        return fill_bitmasks(states, vocab_size)
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
         device = self.model.device
@@ -56,3 +79,13 @@ class ModelRunner:
         if not self.batch_invariant:
             return self.model(chunks, states, captures=captures)
         return torch.cat([self.model([c], [s], captures=[p]) for c, s, p in zip(chunks, states, captures)])
+
+
+def _report_unmasked_logprobs(result: SampleResult, logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Replace the logprobs `sample` computed from grammar-masked logits with those of the unmasked
+    ones: the mask shapes the draw, like top-k, not the reported numbers (sampling/logprobs.py)."""
+    logprobs = raw_logprobs(logits)
+    if result.logprobs is not None:
+        result.logprobs = chosen_logprobs(logprobs, result.token_ids)
+    if result.top_logprobs is not None:
+        result.top_logprobs = [top_logprobs(logprobs[i], p.top_logprobs) for i, p in enumerate(params)]

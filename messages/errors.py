@@ -23,6 +23,8 @@ class ErrorCode(IntEnum):
     TIMEOUT = 10
     INVALID_REQUEST = 11        # well-formed frames, but the content is not acceptable
     ABORTED = 12
+    GRAMMAR_UNSUPPORTED = 13    # a constraint uses a feature the grammar library cannot enforce (named)
+    GRAMMAR_TIMEOUT = 14        # a constraint too complex to compile: past the hard time limit, or the library's own limits
 
 
 class WireError(Exception):
@@ -97,3 +99,11 @@ class ErrorReply(Message):
 
     def to_exception(self, request_id: str = "") -> RemoteError:
         return RemoteError(self.code, self.message, request_id=request_id)
+
+
+class GrammarUnsupported(WireError):
+    code = ErrorCode.GRAMMAR_UNSUPPORTED
+
+
+class GrammarTimeout(WireError):
+    code = ErrorCode.GRAMMAR_TIMEOUT

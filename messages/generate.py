@@ -8,6 +8,7 @@ from __future__ import annotations
 
 
 from messages.common import SamplingParams, TopLogprob, TrafficClass, Usage
+from messages.grammar import GrammarRef
 from messages.registry import Message, register
 
 
@@ -21,7 +22,7 @@ class GenerateRequest(Message):
     return_address: str = ""               # where GenerateChunk messages go
     arrival_time: float = 0.0
     image_refs: list[str] = []             # later: vision embeddings by reference
-    constraint_key: str = ""               # later: compiled grammar in the grammar service
+    grammar: GrammarRef | None = None      # an output constraint (structured output, forced tool calls)
     exact_prefix: bool = False             # no approximate prefix hit (V4.1 bounded replay): set on a
                                            # resumed attempt, which must continue exactly (gateway/resume.py)
 

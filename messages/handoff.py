@@ -47,6 +47,8 @@ class StateHandoff(Message):
     generated_ids: list[int] = []    # tokens already produced (the prefill's first one; more on migration)
     logprobs: list[float] = []       # one per generated id when the request asked for logprobs, else empty
     top_logprobs: list[list[TopLogprob]] = []   # one row per generated id when it asked for top logprobs
+    grammar: str = ""                # the compiled constraint (request.grammar's artifact): the decode side
+                                     # rebuilds the matcher from it and replays generated_ids, no compiler call
 
 
 @register(0x0402)

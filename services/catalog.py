@@ -13,6 +13,7 @@ KINDS: dict[str, str] = {
     "echo": "services.runtime.service:Service",
     "swa_registry": "services.swa_registry.service:SwaRegistryService",
     "kv_writer": "services.kv_writer.service:KvWriterService",
+    "grammar_compiler": "services.grammar_compiler.service:GrammarCompilerService",
     "gateway": "services.gateway.service:GatewayService",
     "unified_worker": "services.workers.unified:UnifiedWorker",
     "prefill_worker": "services.workers.prefill:PrefillWorker",

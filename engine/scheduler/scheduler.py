@@ -116,7 +116,7 @@ class Scheduler:
         """Append a sampled token; finish the sequence (and free its KV) on a stop condition;
         otherwise hold a prefill-only sequence (its KV stays) instead of decoding on."""
         seq.append(token_id, logprob, top)
-        reason = self._stop_reason(seq, token_id)
+        reason = self._grammar_reason(seq, token_id) or self._stop_reason(seq, token_id)
         if reason is not None:
             seq.finish_reason = reason
             self.running.remove(seq)
@@ -126,6 +126,16 @@ class Scheduler:
             self.running.remove(seq)
             seq.status = SequenceStatus.HELD
             self.held[seq.request_id] = seq
+
+    @staticmethod
+    def _grammar_reason(seq: Sequence, token_id: int) -> FinishReason | None:
+        """ERROR when the grammar rejects a sampled token (the mask should have made that impossible);
+        STOP once the grammar is complete, since only EOS may follow (the step it would take is saved)."""
+        if seq.grammar is None:
+            return None
+        if not seq.grammar.accept(token_id):
+            return FinishReason.ERROR
+        return FinishReason.STOP if seq.grammar.done else None
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.sampling

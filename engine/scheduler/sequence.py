@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from engine.kv.manager import Restored
 from engine.kv.paged_state import PagedState
 from messages.common import FinishReason, SamplingParams
 from messages.prefix import BLOCK_TOKENS, block_hashes
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
 
 
 class SequenceStatus(IntEnum):
@@ -31,6 +35,7 @@ class Sequence:
     generator: torch.Generator | None = None
     prefill_only: bool = False  # hold after the first sampled token instead of decoding on
     exact_prefix: bool = False  # no bounded-replay prefix hit (EngineRequest.exact_prefix)
+    grammar: GrammarState | None = None  # structured output: masks sampling, accepts each sampled token
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens whose KV the state holds
     num_cached_tokens: int = 0  # tokens taken from the prefix cache (or a hand-off) on first admission

@@ -15,6 +15,7 @@ import re
 import time
 import uuid
 
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -23,6 +24,7 @@ from messages.common import FinishReason
 from messages.control import ServiceState
 from messages.generate import GenerateChunk
 from services.gateway.adapter import GatewayError, Protocol
+from services.gateway.grammar_calls import compile_failure, compile_message, no_compiler, pick_compiler
 from services.gateway.resume import RESUMABLE, client_usage, resumed_request
 from services.runtime.tracing import span_from
 
@@ -116,13 +118,30 @@ class GatewayHttp:
         if request_id in svc.pending:   # a client reused an id still in flight: keep both apart
             request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
             log = log.bind(request_id=request_id)
+        compiler = pick_compiler(svc, prepared.grammar.key) if prepared.grammar is not None else ""
+        if prepared.grammar is not None and not compiler:
+            log.info("request.rejected", status=503, error="no grammar compiler")
+            return _error_response(protocol, no_compiler())
         tracked = svc.open_request(request_id, span)
         response = prepared.open_response()
         first_request = prepared.generate_request(return_address=svc.config.advertise, arrival_time=started,
                                                   block_hashes=hashes)
+        grammar_call = None
+        if compiler:   # compiled while the request is routed and its prefix loaded (grammar_calls.py)
+            first_request.grammar = msgspec.structs.replace(first_request.grammar, compiler=compiler)
+            grammar_call = asyncio.ensure_future(svc.call(
+                compiler, compile_message(first_request.grammar), request_id=request_id, span=span,
+                timeout=svc.settings.grammar_timeout_s))
         outcome, http = "ok", None
         try:
             svc.send(svc.config.upstream, first_request, request_id=request_id, span=span)
+            if grammar_call is not None:
+                failed = await self._grammar_failure(grammar_call, log)
+                grammar_call = None
+                if failed is not None:
+                    outcome = failed.code or "grammar_error"
+                    svc.abort(tracked, outcome)
+                    return _error_response(protocol, failed)
             timeout = svc.settings.first_chunk_timeout_s
             while True:
                 item = await self._next(tracked, timeout, protocol)
@@ -173,6 +192,8 @@ class GatewayHttp:
             svc.abort(tracked, "client_disconnected")
             raise
         finally:
+            if grammar_call is not None:
+                grammar_call.cancel()
             svc.close_request(tracked)
             usage = response.usage
             log.info("request.summary", type=protocol.value, sender="http", start=started,
@@ -181,6 +202,18 @@ class GatewayHttp:
                      **tracked.stats.fields(started), worker=tracked.worker or None, resumes=tracked.attempt or None,
                      prompt_tokens=usage.prompt, cached_tokens=usage.cached,
                      completion_tokens=usage.completion, stream=prepared.stream, outcome=outcome)
+
+    @staticmethod
+    async def _grammar_failure(call: asyncio.Future, log) -> GatewayError | None:
+        """None when the constraint compiled; else the client's error for it."""
+        try:
+            reply = await call
+        except WireError as exc:
+            log.info("request.grammar_failed", code=exc.code.name, error=exc.message)
+            return compile_failure(exc)
+        compiled = reply.message
+        log.debug("request.grammar_compiled", key=compiled.key, compile_ms=compiled.compile_ms, cached=compiled.cached)
+        return None
 
     async def _resume(self, tracked, first_request, cause: GatewayError, log) -> bool:
         """Send the request's next attempt (resume.py); False if it cannot go (then `cause` stands)."""
@@ -197,9 +230,11 @@ class GatewayHttp:
         wire = svc.next_attempt(tracked)
         log.warning("request.resumed", attempt=tracked.attempt, wire_id=wire, cause=cause.code,
                     error=cause.message, tokens_streamed=len(generated))
+        attempt = resumed_request(first_request, generated, svc.model_id)
+        if attempt.grammar is not None:   # the compiler named first may be the process that died
+            attempt.grammar.compiler = pick_compiler(svc, attempt.grammar.key) or attempt.grammar.compiler
         try:
-            svc.send(svc.config.upstream, resumed_request(first_request, generated, svc.model_id),
-                     request_id=wire, span=tracked.span)
+            svc.send(svc.config.upstream, attempt, request_id=wire, span=tracked.span)
         except WireError as exc:
             log.warning("request.resume_failed", attempt=tracked.attempt, code=exc.code.name)
             return False

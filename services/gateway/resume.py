@@ -8,7 +8,7 @@ is left; `step_offset` continues a seeded request's draws where they were (engin
 greedy and seeded output equal an uninterrupted run's. The KV store and the SWA registry give the
 new attempt the prompt's prefix back, exactly: `exact_prefix` turns V4.1's bounded replay (an
 approximation) off for it, so it starts at the last block with a saved window state and
-prefills the rest again.
+prefills the rest again. A constrained request's grammar replays the streamed tokens.
 
 Each attempt travels under its own wire id (`<request id>#r<attempt>`). A chunk of an older
 attempt (a frozen worker that wakes up, a prefill that was already under way when the router
@@ -45,7 +45,11 @@ def resumed_request(first: GenerateRequest, generated: list[int], model_id: str)
     sampling = msgspec.structs.replace(first.sampling, max_tokens=left,
                                        step_offset=first.sampling.step_offset + len(generated))
     hashes = block_hashes(model_id, prompt) if model_id else []
-    return msgspec.structs.replace(first, prompt_ids=prompt, sampling=sampling, block_hashes=hashes, exact_prefix=True)
+    # A constrained request's matcher must stand where the client's output stands: it consumes the
+    # streamed tokens first (thinking included: the constraint starts at its `</think>`).
+    grammar = msgspec.structs.replace(first.grammar, replay=list(generated)) if first.grammar else None
+    return msgspec.structs.replace(first, prompt_ids=prompt, sampling=sampling, block_hashes=hashes,
+                                   exact_prefix=True, grammar=grammar)
 
 
 def client_usage(usage: Usage | None, prompt_tokens: int, generated_before: int) -> Usage | None:

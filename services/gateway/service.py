@@ -43,6 +43,8 @@ class GatewaySettings:
     chunk_timeout_s: float = 120.0
     max_resumes: int = 3                  # attempts after the first when a worker dies (resume.py)
     resume_timeout_s: float = 30.0        # how long a resume waits for the upstream to come back
+    grammar_timeout_s: float = 15.0       # a constraint's compile answer (the compiler's own hard limit is
+                                          # 10 s by default): past this the request fails 503
 
     def __post_init__(self) -> None:
         if self.encoding not in ("", "v4", "v4.1"):

@@ -54,8 +54,18 @@ class DecodeWorker(StreamingWorker):
             Stream(rid, request.return_address, ctx.span, ctx.sender, "StateHandoff", time.time(),
                    len(request.prompt_ids), request.traffic_class, cached_tokens=msg.snapshot.num_cached_tokens),
             GenerateChunk(generated, logprobs=list(msg.logprobs), top_logprobs=list(msg.top_logprobs)))
+        grammar = None
+        if request.grammar is not None:   # the matcher continues from the tokens produced so far
+            if not msg.grammar:
+                self.close_stream(rid, "refused")
+                raise InvalidRequest("StateHandoff of a constrained request carries no grammar", request_id=rid)
+            try:
+                grammar = await self.grammars.state(request.grammar, msg.grammar, rid, produced=generated)
+            except BaseException:
+                self.close_stream(rid, "refused")
+                raise
         engine_request = EngineRequest(rid, list(request.prompt_ids), request.sampling,
-                                       request.arrival_time or time.time())
+                                       request.arrival_time or time.time(), grammar=grammar)
         try:
             await self.engine(lambda engine: engine.restore(engine_request, msg.snapshot, buffers, generated))
         except ValueError as exc:

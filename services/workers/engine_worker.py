@@ -9,6 +9,7 @@ Settings (ServiceConfig.settings): every EngineConfig field (model_dir, dtype, n
   swa_registry   address of the SWA registry ("" = window states are neither advertised nor fetched)
   swa_ttl_s      TTL of the registrations (seeds: ~180 s)
   handoff_timeout_s, fetch_timeout_s   timeouts of StateHandoff and SwaFetch / KvReadPages calls
+  grammar_timeout_s  how long a constrained request waits for its grammar from the compiler
   capacity       requests this worker takes at once (0 = the engine's max_num_seqs)
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from services.runtime.context import Context
 from services.runtime.service import Service
 from services.runtime.settings import flat_keys, parse_settings, require_positive
 from services.workers.engine_thread import EngineThread
+from services.workers.grammar import GrammarSource
 from services.workers.persist import BlockPersister
 from services.workers.tensors import to_frame
 
@@ -42,10 +44,11 @@ class WorkerSettings:
     swa_ttl_s: float = 180.0
     handoff_timeout_s: float = 30.0
     fetch_timeout_s: float = 5.0
+    grammar_timeout_s: float = 15.0   # a constraint's artifact from its compiler (which gives up at 10 s)
     capacity: int = 0
 
     def __post_init__(self) -> None:
-        require_positive(self, "swa_ttl_s", "handoff_timeout_s", "fetch_timeout_s")
+        require_positive(self, "swa_ttl_s", "handoff_timeout_s", "fetch_timeout_s", "grammar_timeout_s")
         if self.capacity < 0:
             raise ValueError("capacity must be >= 0")
 
@@ -77,6 +80,7 @@ class EngineWorker(Service):
         self.layout = ""
         self.max_num_seqs = 0
         self.persister = BlockPersister(self)
+        self.grammars = GrammarSource(self)
         self._loops: list[asyncio.Task] = []
 
     after_step = None   # a subclass's fn(engine, outputs), run on the engine thread after each step (EngineThread)
@@ -100,6 +104,7 @@ class EngineWorker(Service):
         self.max_num_seqs = engine_config.max_num_seqs
         self.bounded_replay = engine.kv.replay   # V4.1: pages without a window state still make a hit
         self.start_loop(self.persister.run())
+        self.grammars.open(engine_config.model_dir, engine.model.config.vocab_size, engine.model.config.eos_token_id)
         self.log.info("engine.loaded", model_dir=engine_config.model_dir, model_id=engine.model_id,
                       load_s=round(time.monotonic() - started, 3), pages=self.engine_stats.pages_total,
                       kv_writer=self.settings.kv_writer or None, swa_registry=self.settings.swa_registry or None)

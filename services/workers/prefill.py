@@ -10,6 +10,7 @@ PrefillWork (request id in the envelope) -> the reply on the same path, PrefillD
    the SWA registry in one forwarded call (the holder answers here directly). The seeds' rule:
    the window at L1 gives L1, else the window at L1 - 128 gives L1 - 128, else what this engine
    holds. A store or holder that fails only shortens the hit: it never fails the request.
+   A constrained request's grammar is fetched from its compiler meanwhile (grammar.py).
 2. engine.add_request(prefill_only=True): the first token comes out and the state is held.
 3. snapshot -> StateHandoff (buffers as frames, generated_ids = the first token, with its logprobs
    when asked) to `decode_address` with call(), awaiting StateAccepted (a decode worker that stops
@@ -108,14 +109,21 @@ class PrefillWorker(EngineWorker):
         job = self.jobs[rid] = Job(rid, prompt_len - msg.kv_hit_tokens, ctx.span, msg.decode_address)
         started = time.time()
         added = False
+        fetch = None   # a constrained request's grammar comes while its prefix loads (grammar.py)
+        if request.grammar is not None:
+            fetch = asyncio.ensure_future(self.grammars.fetch(request.grammar, rid, ctx.span))
         try:
             usable = await self.prefix.load(request, msg.kv_hit_tokens, rid, ctx.span)
             job.uncached_tokens = prompt_len - max(usable, 0)
+            grammar_text, grammar = "", None
+            if fetch is not None:
+                grammar_text = await fetch
+                grammar = await self.grammars.state(request.grammar, grammar_text, rid)
             if job.aborted:
                 raise Aborted(f"aborted: {job.aborted}", request_id=rid)
             job.future = asyncio.get_running_loop().create_future()
             engine_request = EngineRequest(rid, list(request.prompt_ids), request.sampling,
-                                           request.arrival_time or time.time(), request.exact_prefix)
+                                           request.arrival_time or time.time(), request.exact_prefix, grammar=grammar)
             try:
                 await self.engine(lambda engine: engine.add_request(engine_request, prefill_only=True))
             except ValueError as exc:
@@ -129,7 +137,7 @@ class PrefillWorker(EngineWorker):
                 self.send(request.return_address, self._last_chunk(out), request_id=rid, span=ctx.span)
             else:
                 job.handing_off = True
-                await self._hand_off(msg, rid, ctx.span, out, taken)
+                await self._hand_off(msg, rid, ctx.span, out, taken, grammar_text)
                 added = False
             self.in_background(self._advertise_prompt_states(request, rid, ctx.span), "swa_advertise.failed",
                                level="warning")
@@ -140,6 +148,8 @@ class PrefillWorker(EngineWorker):
                           handoff_ms=round((time.time() - prefilled_at) * 1e3, 3))
             return PrefillDone(hit_tokens=hit, computed_tokens=prompt_len - hit)
         finally:
+            if fetch is not None:
+                fetch.cancel()
             self.jobs.pop(rid, None)
             if added:   # failed or aborted after the engine took it: free its state
                 await self.engine(lambda engine, r: engine.abort(r), rid)
@@ -161,7 +171,7 @@ class PrefillWorker(EngineWorker):
         held = await self.engine(lambda engine: [h for h in hashes if h in engine.kv.boundaries])
         self.persister.advertise(held, rid, span)
 
-    async def _hand_off(self, msg: PrefillWork, rid: str, span: SpanContext, out, taken) -> None:
+    async def _hand_off(self, msg: PrefillWork, rid: str, span: SpanContext, out, taken, grammar: str) -> None:
         """`taken`: the snapshot `after_step` took right after the prompt's step (or the error it
         raised); None only if the step's outputs came without one (then ask the engine now)."""
         if isinstance(taken, Exception):
@@ -171,7 +181,7 @@ class PrefillWorker(EngineWorker):
         snapshot, buffers = taken
         logprobs, top_logprobs = logprob_fields(out)
         handoff = StateHandoff(msg.request, snapshot, list(range(len(buffers))), list(out.new_token_ids),
-                               logprobs, top_logprobs)
+                               logprobs, top_logprobs, grammar)
         try:
             reply = await self._call_while_alive(msg.decode_address, handoff, rid, span, [to_frame(b) for b in buffers])
         except BaseException as exc:

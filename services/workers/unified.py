@@ -39,12 +39,21 @@ class UnifiedWorker(StreamingWorker):
         self.hash_check.check(self.log, self.model_id, msg.prompt_ids, msg.block_hashes)
         self.open_stream(Stream(request_id, msg.return_address, ctx.span, ctx.sender, "GenerateRequest", time.time(),
                                 len(msg.prompt_ids), msg.traffic_class))
-        request = EngineRequest(request_id, list(msg.prompt_ids), msg.sampling, msg.arrival_time or time.time(),
-                                msg.exact_prefix)
         try:
+            grammar = None
+            if msg.grammar is not None:   # the compile was started by the gateway; the answer is cached by now
+                artifact = await self.grammars.fetch(msg.grammar, request_id, ctx.span)
+                grammar = await self.grammars.state(msg.grammar, artifact, request_id)
+                if self.streams.get(request_id) is None:   # aborted while its grammar came
+                    return
+            request = EngineRequest(request_id, list(msg.prompt_ids), msg.sampling, msg.arrival_time or time.time(),
+                                    msg.exact_prefix, grammar=grammar)
             await self.engine(lambda engine, req: engine.add_request(req), request)
         except ValueError as exc:
             self.close_stream(request_id, "refused")
             raise InvalidRequest(str(exc), request_id=request_id) from None
+        except BaseException:
+            self.close_stream(request_id, "refused")
+            raise
         self.log.info("request.accepted", request_id=request_id, prompt_tokens=len(msg.prompt_ids),
                       max_tokens=msg.sampling.max_tokens)

@@ -2,8 +2,6 @@
 default (E/P/D) stack that the SDK tests drive."""
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 
 import pytest
@@ -36,14 +34,6 @@ def adapter(v41_tokenizer_path) -> Adapter:
         ServedModel(SMALL_MODEL, context_length=SMALL_CONTEXT, max_output_tokens=300),
         ServedModel(V41_MODEL, context_length=16384, encoding="v4.1", tokenizer_path=v41_tokenizer_path),
     )))
-
-
-@pytest.fixture(scope="session")
-def constrained_adapter(adapter) -> Adapter:
-    """The same models with output constraints accepted: what the grammar service will enforce."""
-    permissive = copy.copy(adapter)
-    permissive.config = dataclasses.replace(adapter.config, accept_constraints=True)
-    return permissive
 
 
 @pytest.fixture(scope="session")

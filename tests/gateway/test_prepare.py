@@ -20,11 +20,11 @@ def prompt_text(prepared) -> str:
 
 
 @pytest.mark.parametrize("protocol", list(Protocol))
-def test_tools_are_rendered_and_declared_as_a_tool_call_constraint(adapter, protocol):
+def test_tools_are_rendered_and_optional_calls_need_no_grammar(adapter, protocol):
     prepared = adapter.prepare(protocol, BODY[protocol](tools=weather_tools(protocol)))
     text = prompt_text(prepared)
     assert '"name": "get_weather"' in text and "## Tools" in text
-    assert prepared.constraint is not None and prepared.constraint.kind == "tool_call"
+    assert prepared.grammar is None   # no strict tool: the adapter checks that calls are JSON
     assert prepared.response.parsing.tool_names == frozenset({"get_weather"})
     assert prepared.prompt_ids[0] == 0                       # BOS
     assert text.endswith("<｜Assistant｜><think>")           # thinking by default
@@ -39,20 +39,22 @@ def test_tool_choice_none_hides_the_tools_and_turns_off_tool_parsing(adapter, pr
     assert prepared.response.parsing.parse_tool_calls is False
 
 
-def test_tool_choice_required_opens_the_tool_block_in_the_prompt(constrained_adapter):
-    prepared = constrained_adapter.prepare(Protocol.CHAT, chat_body(
+def test_tool_choice_required_opens_the_tool_block_in_the_prompt(adapter):
+    prepared = adapter.prepare(Protocol.CHAT, chat_body(
         tools=weather_tools(Protocol.CHAT), tool_choice="required", thinking={"type": "disabled"}))
     assert prompt_text(prepared).endswith(f"</think>\n\n{OPEN}\n")
-    assert prepared.constraint.kind == "tool_call_required"
+    constraint = json.loads(prepared.grammar.constraint)
+    assert (constraint["kind"], constraint["mode"], constraint["opened"]) == ("tool_calls", "required", True)
     assert prepared.response.parsing.starts_in_tool_calls
     assert prepared.response.parsing.library_options().starts_in_tool_calls is False
 
 
-def test_messages_named_tool_choice_is_required(constrained_adapter):
-    prepared = constrained_adapter.prepare(Protocol.MESSAGES, messages_body(
+def test_messages_named_tool_choice_forces_that_call(adapter):
+    prepared = adapter.prepare(Protocol.MESSAGES, messages_body(
         tools=weather_tools(Protocol.MESSAGES), tool_choice={"type": "tool", "name": "get_weather"},
         thinking={"type": "disabled"}))
-    assert prepared.constraint.kind == "tool_call_required"
+    constraint = json.loads(prepared.grammar.constraint)
+    assert (constraint["kind"], constraint["mode"], constraint["name"]) == ("tool_calls", "named", "get_weather")
 
 
 MULTI_TURN = {
@@ -166,12 +168,11 @@ def test_generate_request_carries_prompt_and_sampling(adapter):
     assert request.model == MODEL and request.return_address == "tcp://gw:1"
 
 
-def test_response_format_json_schema_becomes_a_json_constraint(constrained_adapter):
+def test_response_format_json_schema_becomes_a_json_constraint(adapter):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    prepared = constrained_adapter.prepare(Protocol.CHAT, chat_body(response_format={
+    prepared = adapter.prepare(Protocol.CHAT, chat_body(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
-    assert prepared.constraint.kind == "json"
-    assert json.loads(prepared.constraint.schema) == schema
+    assert json.loads(prepared.grammar.constraint) == {"kind": "json_schema", "schema": schema, "strict": False}
 
 
 def test_model_names_lists_served_models(adapter):

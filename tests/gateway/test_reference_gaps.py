@@ -20,6 +20,7 @@ from deepseek_recipe import (
 from messages.common import FinishReason
 from services.gateway.adapter import Protocol, safe_image_fetcher
 from services.gateway.adapter.errors import GatewayError
+from services.gateway.adapter.parsing import output_parsing_for
 from tests.gateway.conftest import (
     BODY, MODEL, V41_MODEL, WEATHER_SCHEMA, accumulate_all, chat_body, messages_body, stream_all, weather_tools,
 )
@@ -222,13 +223,21 @@ def test_hand_built_conversation_request_gets_a_thinking_stage(adapter, tokenize
     assert (message["reasoning_content"], message["content"]) == ("Let me see.", "Hello!")
 
 
-def test_hand_built_required_tool_choice_starts_inside_the_tool_block(constrained_adapter, tokenizer):
+def test_hand_built_required_tool_choice_starts_inside_the_tool_block(adapter, tokenizer):
     tool = ToolDefinition("get_weather", "Weather.", WEATHER_SCHEMA)
     request = ConversationRequest(Conversation([UserMessage("Hi")], thinking_mode=False,
                                                tools=[tool], tool_choice="required"),
                                   ModelVersion.DeepseekV4Pro)
     assert request.parsing_options.starts_in_tool_calls is False            # reproduces
-    prepared = constrained_adapter.prepare_conversation(Protocol.CHAT, MODEL, request)
+    assert output_parsing_for(request).starts_in_tool_calls                 # the adapter's parsing repairs it
+    # A forced call is enforced by a grammar read from the body: a hand-built request, which has
+    # none, is refused rather than served unconstrained; the same request as a body is served.
+    with pytest.raises(GatewayError) as refused:
+        adapter.prepare_conversation(Protocol.CHAT, MODEL, request)
+    assert refused.value.status == 400 and "tool_choice 'required'" in refused.value.message
+    prepared = adapter.prepare(Protocol.CHAT, chat_body(tools=weather_tools(Protocol.CHAT), tool_choice="required",
+                                                        thinking={"type": "disabled"}))
+    assert json.loads(prepared.grammar.constraint)["opened"] is True
     out = DSML_CALL.format(name="get_weather", days=1).split("\n", 1)[1]   # prompt opened block
     message = accumulate_all(prepared, [tokenizer.encode(out)])["choices"][0]["message"]
     assert message["tool_calls"][0]["function"]["name"] == "get_weather"

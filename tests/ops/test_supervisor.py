@@ -41,9 +41,9 @@ def test_a_port_in_time_wait_is_free_and_a_listening_one_is_taken():
 
 def test_stop_waves_go_from_the_edge_inwards():
     assert stop_waves(load_topology("default")) == [
-        ["gateway"], ["prefill_router"], ["prefill_worker", "decode_router"], ["decode_worker"],
+        ["gateway"], ["grammar_compiler", "prefill_router"], ["prefill_worker", "decode_router"], ["decode_worker"],
         ["kv_writer", "swa_registry"]]
-    assert stop_waves(load_topology("unified")) == [["gateway"], ["unified_worker"]]
+    assert stop_waves(load_topology("unified")) == [["gateway"], ["unified_worker", "grammar_compiler"]]
     looped = parse_topology({"service": [
         {"name": "a", "kind": "echo", "settings": {"peer": "@b"}},
         {"name": "b", "kind": "echo", "settings": {"peer": "@a"}},

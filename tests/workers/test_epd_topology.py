@@ -29,7 +29,7 @@ def test_every_peer_setting_names_its_service_and_resolves_to_its_address(port_b
                 assert written[key] == "@" + target, f"{spec.name}.{key} must name the service"
                 assert config.settings[key] == address[target], f"{spec.name}.{key}"
     if port_base is not None:
-        assert address["kv_writer"] == f"tcp://127.0.0.1:{port_base + 5}"
+        assert address["kv_writer"] == f"tcp://127.0.0.1:{port_base + 6}"
     router = topology.spec("prefill_router").options["settings"]
     assert "decode_router" in router and router["kv_store_dir"] == topology.spec("kv_writer").options["settings"]["root"]
     for worker in ("prefill_worker", "decode_worker"):
@@ -39,8 +39,9 @@ def test_every_peer_setting_names_its_service_and_resolves_to_its_address(port_b
 def test_the_stack_is_wired_the_epd_way_and_every_setting_parses():
     topology = load_topology("default")
     upstreams = {s.name: s.upstream for s in topology.services}
-    assert upstreams == {"gateway": "prefill_router", "prefill_router": "", "prefill_worker": "prefill_router",
-                         "decode_router": "", "decode_worker": "decode_router", "kv_writer": "", "swa_registry": ""}
+    assert upstreams == {"gateway": "prefill_router", "grammar_compiler": "gateway", "prefill_router": "",
+                         "prefill_worker": "prefill_router", "decode_router": "", "decode_worker": "decode_router",
+                         "kv_writer": "", "swa_registry": ""}
     for spec, _, config in topology.instances():
         cls = resolve(spec.kind)   # every kind is in the catalog
         if spec.kind in ("prefill_worker", "decode_worker"):
@@ -56,16 +57,18 @@ def test_the_stack_is_wired_the_epd_way_and_every_setting_parses():
 
 def test_each_worker_pool_scales_on_its_own_and_every_replica_keeps_its_router_and_peers():
     data = tomllib.loads((resources.files("ops.topologies") / "default.toml").read_text())
-    pools = {"prefill_worker": 3, "decode_worker": 2}
+    pools = {"prefill_worker": 3, "decode_worker": 2, "grammar_compiler": 2}
     for raw in data["service"]:
         raw["replicas"] = pools.get(raw["name"], 1)
     topology = parse_topology(data, port_base=32000)
     instances = topology.instances()
-    assert len(instances) == 7 - 2 + 5
+    assert len(instances) == 8 - 3 + 7
     assert len({config.bind for _, _, config in instances}) == len(instances)   # every replica its own port
     address = {spec.name: config.bind for spec, replica, config in instances if replica == 0}
     for spec, _, config in instances:
-        if spec.name in pools:   # registers with its router; reaches the one KV writer and SWA registry
+        if spec.name == "grammar_compiler":   # registers with the gateway, which spreads constraints over them
+            assert config.upstream == address["gateway"] and config.advertise == config.bind
+        elif spec.name in pools:   # registers with its router; reaches the one KV writer and SWA registry
             assert config.upstream == address[spec.upstream] and config.advertise == config.bind
             assert config.settings["kv_writer"] == address["kv_writer"]
             assert config.settings["swa_registry"] == address["swa_registry"]

@@ -18,13 +18,13 @@ What the HTTP app calls:
 from services.gateway.adapter.config import AdapterConfig, ServedModel, packaged_v4_tokenizer
 from services.gateway.adapter.errors import GatewayError, Protocol, from_library_error
 from services.gateway.adapter.images import destination_filter, is_public_address, safe_image_fetcher
-from services.gateway.adapter.prepare import Adapter, OutputConstraintSpec, PreparedRequest
+from services.gateway.adapter.prepare import Adapter, PreparedRequest
 from services.gateway.adapter.response import ResponseAccumulator, ResponseStream
 from services.gateway.adapter.usage import TokenCounts
 
 __all__ = [
     "Adapter", "AdapterConfig", "ServedModel", "packaged_v4_tokenizer",
     "GatewayError", "Protocol", "from_library_error",
-    "PreparedRequest", "OutputConstraintSpec", "ResponseStream", "ResponseAccumulator", "TokenCounts",
+    "PreparedRequest", "ResponseStream", "ResponseAccumulator", "TokenCounts",
     "safe_image_fetcher", "destination_filter", "is_public_address",
 ]

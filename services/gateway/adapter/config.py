@@ -49,8 +49,6 @@ class AdapterConfig:
     models: tuple[ServedModel, ...]
     default_thinking: bool = True     # thinking mode when the request does not say
     accept_images: bool = False       # no vision workers yet: image inputs are refused (400)
-    accept_constraints: bool = False  # no grammar service yet: JSON / regex formats, forced and
-                                      # strict tool calls are refused (400); plain tools stay
     max_body_bytes: int = 32 << 20    # larger bodies are refused (413)
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ from deepseek_recipe import (
 )
 
 from services.gateway.adapter.config import AdapterConfig, ServedModel
+from messages.grammar import tokenizer_id
 from services.gateway.adapter.detokenizer import TokenTable
 
 _VERSION = {"v4": ModelVersion.DeepseekV4Pro, "v4.1": ModelVersion.DeepseekV41Flash}
@@ -32,6 +33,7 @@ class ModelRuntime:
     tokenizer: Tokenizer
     table: TokenTable
     eos_id: int
+    tokenizer_id: str = ""            # messages.grammar.tokenizer_id: grammar compiles are keyed by it
 
 
 def load_models(config: AdapterConfig) -> dict[str, ModelRuntime]:
@@ -57,7 +59,7 @@ def load_models(config: AdapterConfig) -> dict[str, ModelRuntime]:
         runtimes[served.name] = ModelRuntime(
             served=served, version=version, options=options,
             encoding=_ENCODING[served.encoding]().with_special_tokens(special).with_tokenizer(tokenizer),
-            tokenizer=tokenizer, table=table, eos_id=table.added_ids[eos])
+            tokenizer=tokenizer, table=table, eos_id=table.added_ids[eos], tokenizer_id=tokenizer_id(path))
     return runtimes
 
 

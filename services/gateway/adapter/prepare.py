@@ -15,8 +15,10 @@ from deepseek_recipe import (
 
 from messages.common import SamplingParams
 from messages.generate import GenerateRequest
+from messages.grammar import GrammarRef, constraint_json, constraint_key
 from services.gateway.adapter import request_checks, unenforced
 from services.gateway.adapter.config import AdapterConfig
+from services.gateway.adapter.constraints import constraint_of
 from services.gateway.adapter.errors import (
     GatewayError, Protocol, from_library_error, internal, invalid_request, request_too_large,
 )
@@ -31,12 +33,6 @@ _PROMPT_PARAM = {Protocol.CHAT: "messages", Protocol.RESPONSES: "input", Protoco
 
 
 @dataclass(frozen=True, slots=True)
-class OutputConstraintSpec:
-    kind: str       # "json" | "regex" | "tool_call" | "tool_call_required"
-    schema: str     # for the grammar service; not enforced by the adapter
-
-
-@dataclass(frozen=True, slots=True)
 class PreparedRequest:
     protocol: Protocol
     model: str
@@ -45,7 +41,7 @@ class PreparedRequest:
     stream: bool
     context_length: int
     stop_sequences: tuple[str, ...]
-    constraint: OutputConstraintSpec | None
+    grammar: GrammarRef | None        # the output constraint (constraints.py); the gateway names its compiler
     response: ResponseSpec
 
     def open_stream(self, response_id: str | None = None) -> ResponseStream:
@@ -61,7 +57,7 @@ class PreparedRequest:
     def generate_request(self, **fields) -> GenerateRequest:
         """The worker message; pass block_hashes, return_address, traffic_class... as fields."""
         return GenerateRequest(model=self.model, prompt_ids=self.prompt_ids,
-                               sampling=self.sampling, **fields)
+                               sampling=self.sampling, grammar=self.grammar, **fields)
 
 
 class Adapter:
@@ -91,8 +87,6 @@ class Adapter:
             body = msgspec.json.encode(payload)
         if not self.config.accept_images:
             unenforced.refuse_images(protocol, payload)
-        if not self.config.accept_constraints:
-            unenforced.refuse_constraints(protocol, payload)
         requested = request_checks.requested_sampling(payload)
         echo, namespace_tools = None, {}
         try:
@@ -103,20 +97,20 @@ class Adapter:
             converted = library_request.convert(runtime.options)
         except (ConversionError, ValueError, TypeError) as exc:
             raise from_library_error(exc) from None
-        return self._finish(protocol, model, runtime, converted, requested, echo, namespace_tools)
+        return self._finish(protocol, model, runtime, converted, requested, echo, namespace_tools, payload)
 
     def prepare_conversation(self, protocol: Protocol, model: str,
                              request: ConversationRequest) -> PreparedRequest:
         """Prepare a hand-built ConversationRequest (its parsing options are repaired)."""
         if model not in self._served:
             raise request_checks.model_not_found(protocol, model, self._served)
-        return self._finish(protocol, model, self._models[model], request, RequestedSampling(), None, {})
+        return self._finish(protocol, model, self._models[model], request, RequestedSampling(), None, {}, None)
 
     # -- shared tail -------------------------------------------------------------------------
 
     def _finish(self, protocol: Protocol, model: str, runtime: ModelRuntime,
                 converted: ConversationRequest, requested: RequestedSampling, echo,
-                namespace_tools) -> PreparedRequest:
+                namespace_tools, payload: dict | None) -> PreparedRequest:
         conversation = converted.conversation
         if not conversation.messages:
             raise invalid_request("the request has no message to answer",
@@ -124,7 +118,7 @@ class Adapter:
         if not self.config.accept_images and any(m.image_sources for m in conversation.messages):
             raise invalid_request("image inputs are not supported by this deployment",
                                   param=_PROMPT_PARAM[protocol], code="unsupported_content")
-        if not self.config.accept_constraints:
+        if payload is None:   # a hand-built request has no body to read its constraint from
             unenforced.refuse_converted(conversation, converted.inference_options.output_constraint)
         try:
             prompt_ids = runtime.encoding.encode(conversation)
@@ -133,8 +127,8 @@ class Adapter:
         context = runtime.served.context_length
         max_tokens = self._max_tokens(protocol, converted, len(prompt_ids), context)
         options = converted.inference_options
-        constraint = options.output_constraint
         parsing = output_parsing_for(converted)
+        grammar = None if payload is None else _grammar_ref(runtime, constraint_of(protocol, payload, parsing), parsing)
         # The request's own values first: in thinking mode the library resolves temperature and
         # top_p to its recommended 1.0 / 0.95 whatever was asked, so temperature 0 was not greedy.
         sampling = SamplingParams(
@@ -150,7 +144,7 @@ class Adapter:
             protocol=protocol, model=model, prompt_ids=prompt_ids, sampling=sampling,
             stream=converted.stream, context_length=context,
             stop_sequences=parsing.stop_sequences,
-            constraint=OutputConstraintSpec(constraint.kind, constraint.schema) if constraint else None,
+            grammar=grammar,
             response=spec)
 
     @staticmethod
@@ -182,6 +176,17 @@ def context_exceeded(protocol: Protocol, prompt: int, requested: int | None,
         f"{prompt + (requested or 0)} tokens{asked}. Please reduce the length of the input or "
         f"the completion.", param=_PROMPT_PARAM[protocol] if prompt >= context else "max_tokens",
         code="context_length_exceeded")
+
+
+def _grammar_ref(runtime: ModelRuntime, constraint: dict | None, parsing) -> GrammarRef | None:
+    if constraint is None:
+        return None
+    spelled = constraint_json(constraint)
+    thinking = parsing.thinking_stage is not None and parsing.thinking_stage.starts_in_reasoning()
+    # In thinking mode the constraint starts once the reasoning ends: after the model's `</think>`.
+    after = runtime.table.added_ids.get(parsing.think_end, -1) if thinking else -1
+    return GrammarRef(key=constraint_key(runtime.tokenizer_id, spelled), constraint=spelled,
+                      tokenizer_id=runtime.tokenizer_id, after_token=after)
 
 
 def _or(value, default):
