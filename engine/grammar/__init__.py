@@ -2,6 +2,6 @@
 token bitmask applied to the logits before sampling (mask.py, which needs torch; this package's
 top level does not, so the gateway and the compiler can import `tokenizer_id` alone)."""
 
-from engine.grammar.matcher import GrammarError, GrammarState, load_grammar_tokenizer, tokenizer_id
+from engine.grammar.matcher import GrammarError, GrammarState, build_matcher, load_grammar_tokenizer, tokenizer_id
 
-__all__ = ["GrammarError", "GrammarState", "load_grammar_tokenizer", "tokenizer_id"]
+__all__ = ["GrammarError", "GrammarState", "build_matcher", "load_grammar_tokenizer", "tokenizer_id"]

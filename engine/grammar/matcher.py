@@ -11,10 +11,11 @@ must not pay for the library (or torch) to hash a file.
 """
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+
+from messages.grammar import tokenizer_id  # noqa: F401 - one rule for the gateway, compiler and engine
 
 _TOKENIZERS: dict[tuple[str, int, int], object] = {}
 _TOKENIZERS_LOCK = threading.Lock()
@@ -24,9 +25,15 @@ class GrammarError(ValueError):
     """The grammar does not build a matcher, or tokens already produced do not fit it."""
 
 
-def tokenizer_id(tokenizer_json_path: str | Path) -> str:
-    """The tokenizer's identity in grammar cache keys: sha256 of tokenizer.json's bytes, 16 hex chars."""
-    return hashlib.sha256(Path(tokenizer_json_path).read_bytes()).hexdigest()[:16]
+def build_matcher(tokenizer, grammar: str):
+    """A fresh llguidance matcher for `grammar` (GrammarError if it does not build). As slow as the
+    compile was for a big grammar; callers that see a grammar often keep one as a template and give
+    each request a copy (`GrammarState(..., template=...)`), which takes microseconds."""
+    from llguidance import LLMatcher
+    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise GrammarError(f"the grammar does not build a matcher: {matcher.get_error()}")
+    return matcher
 
 
 def load_grammar_tokenizer(tokenizer_json_path: str | Path, vocab_size: int, eos_id: int):
@@ -48,11 +55,10 @@ class GrammarState:
 
     __slots__ = ("after_token", "_matcher", "_mask_bytes", "_num_accepted", "_activated_at")
 
-    def __init__(self, tokenizer, grammar: str, after_token: int = -1, replay: Sequence[int] = ()):
-        from llguidance import LLMatcher
-        self._matcher = LLMatcher(tokenizer, grammar, log_level=0)
-        if self._matcher.is_error():
-            raise GrammarError(f"the grammar does not build a matcher: {self._matcher.get_error()}")
+    def __init__(self, tokenizer, grammar: str, after_token: int = -1, replay: Sequence[int] = (),
+                 template=None):
+        """`template`: a pristine matcher of `grammar` (build_matcher) to copy instead of building one."""
+        self._matcher = template.deep_copy() if template is not None else build_matcher(tokenizer, grammar)
         self.after_token = int(after_token)
         self._mask_bytes = 4 * ((tokenizer.vocab_size + 31) // 32)
         self._num_accepted = 0

@@ -133,11 +133,12 @@ class GatewayHttp:
                 compiler, compile_message(first_request.grammar), request_id=request_id, span=span,
                 timeout=svc.settings.grammar_timeout_s))
         outcome, http = "ok", None
+        phases = {"prepare_ms": round((prepared_at - started) * 1e3, 3)}
         try:
             svc.send(svc.config.upstream, first_request, request_id=request_id, span=span)
             if grammar_call is not None:
                 failed = await self._grammar_failure(grammar_call, log)
-                grammar_call = None
+                grammar_call, phases["grammar_ms"] = None, round((time.time() - prepared_at) * 1e3, 3)
                 if failed is not None:
                     outcome = failed.code or "grammar_error"
                     svc.abort(tracked, outcome)
@@ -198,7 +199,7 @@ class GatewayHttp:
             usage = response.usage
             log.info("request.summary", type=protocol.value, sender="http", start=started,
                      handle_ms=round((time.time() - started) * 1e3, 3),
-                     phases={"prepare_ms": round((prepared_at - started) * 1e3, 3)},
+                     phases=phases,
                      **tracked.stats.fields(started), worker=tracked.worker or None, resumes=tracked.attempt or None,
                      prompt_tokens=usage.prompt, cached_tokens=usage.cached,
                      completion_tokens=usage.completion, stream=prepared.stream, outcome=outcome)

@@ -4,12 +4,18 @@ The prefill and unified workers ask the compiler replica the gateway named (Gram
 for the constraint's artifact while the request's prefix loads; the gateway asked it first, so
 the answer comes from its cache or joins the compile under way. The decode worker gets the
 artifact inside the StateHandoff. The matcher is built off the event loop and the engine thread
-(milliseconds; the tokenizer's ~1 s table is built once, at start), then replays what the request
-already produced: a resume's streamed tokens, the prefill's first token.
+(the tokenizer's ~1 s table is built once, at start), then replays what the request already
+produced: a resume's streamed tokens, the prefill's first token.
+
+Building a matcher costs about what the compile did (llguidance has no compiled form): milliseconds
+usually, seconds for a schema near the compiler's limit. Agents send the same tools again and
+again, so a pristine matcher per constraint key is kept (`template_cache` of them, LRU) and each
+request gets a copy, which takes microseconds.
 """
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from pathlib import Path
 
 from messages.errors import InvalidRequest, WireError
@@ -17,10 +23,13 @@ from messages.grammar import GrammarCompile, GrammarCompiled, GrammarRef, tokeni
 
 
 class GrammarSource:
+    template_cache = 64
+
     def __init__(self, worker):
         self.worker = worker
         self.tokenizer_id = ""
         self._tokenizer: asyncio.Future | None = None
+        self._templates: OrderedDict[str, object] = OrderedDict()   # constraint key -> pristine matcher
 
     def open(self, model_dir: str, vocab_size: int, eos_id: int) -> None:
         """Start building the matcher tokenizer in the background (about 1 s for the 129k vocabulary)."""
@@ -48,13 +57,21 @@ class GrammarSource:
 
     async def state(self, ref: GrammarRef, grammar: str, request_id: str, produced=()):
         """The request's matcher, having consumed ref.replay and then `produced`."""
-        from engine.grammar import GrammarError, GrammarState
+        from engine.grammar import GrammarError, GrammarState, build_matcher
         self._check(ref, request_id)
         tokenizer = await self._tokenizer
         replay = list(ref.replay) + list(produced)
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                None, lambda: GrammarState(tokenizer, grammar, after_token=ref.after_token, replay=replay))
+            template = self._templates.get(ref.key)
+            if template is None:
+                template = await loop.run_in_executor(None, build_matcher, tokenizer, grammar)
+                self._templates[ref.key] = template
+                while len(self._templates) > self.template_cache:
+                    self._templates.popitem(last=False)
+            self._templates.move_to_end(ref.key)
+            return await loop.run_in_executor(None, lambda: GrammarState(
+                tokenizer, grammar, after_token=ref.after_token, replay=replay, template=template))
         except GrammarError as exc:
             raise InvalidRequest(f"the request's grammar: {exc}", request_id=request_id) from None
 

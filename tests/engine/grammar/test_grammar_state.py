@@ -12,7 +12,7 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from engine.grammar import GrammarError, GrammarState, load_grammar_tokenizer, tokenizer_id
+from engine.grammar import GrammarError, GrammarState, build_matcher, load_grammar_tokenizer, tokenizer_id
 from engine.grammar.mask import apply_token_bitmask_, fill_bitmasks
 
 REPO = Path(__file__).resolve().parents[3]
@@ -132,6 +132,19 @@ def test_replay_resumes_where_the_tokens_left_off(tokenizer, grammar, answer):
     assert gated.active and gated.num_accepted == 5
     with pytest.raises(GrammarError, match="position 2"):
         GrammarState(tokenizer, grammar, replay=[answer[0], answer[1], tokenizer.tokenize_str("[")[0]])
+
+
+def test_states_copied_from_one_template_are_independent(tokenizer, grammar, answer):
+    template = build_matcher(tokenizer, grammar)
+    first = GrammarState(tokenizer, grammar, template=template)
+    second = GrammarState(tokenizer, grammar, template=template, replay=answer[:3])
+    fresh = GrammarState(tokenizer, grammar)
+    assert torch.equal(mask(first), mask(fresh))
+    assert all(first.accept(t) for t in answer) and first.done
+    assert second.num_accepted == 3 and not second.done
+    assert torch.equal(mask(GrammarState(tokenizer, grammar, template=template)), mask(fresh))   # untouched
+    with pytest.raises(GrammarError):
+        build_matcher(tokenizer, "start: /[/")
 
 
 def test_rollback_restores_the_masks_across_the_activation_point(tokenizer, grammar, answer):
