@@ -1,6 +1,6 @@
 """Gateway / workers <-> the grammar compiler (services/grammar_compiler/).
 
-A constraint is canonical JSON (`constraint_json`, sorted keys, no spaces) of one of:
+A constraint is compact JSON (`constraint_json`, keys in their given order) of one of:
     {"kind": "json_object"}
     {"kind": "json_schema", "schema": {...}, "strict": true|false}
     {"kind": "tool_calls", "mode": "required"|"named"|"optional", "name": "<tool>"|null,
@@ -34,8 +34,11 @@ def tokenizer_id(tokenizer_json_path: str) -> str:
 
 
 def constraint_json(constraint: dict) -> str:
-    """The canonical spelling every cache key and compile input uses."""
-    return msgspec.json.encode(constraint, order="sorted").decode()
+    """The spelling every cache key and compile input uses: compact, keys in their given order. Not
+    sorted: a schema's `properties` order is the order the model writes them in (clients put a
+    "reasoning" field before "answer" on purpose); the gateway builds the constraint's own keys in
+    a fixed order, so equal requests spell equally."""
+    return msgspec.json.encode(constraint).decode()
 
 
 def constraint_key(tokenizer_id: str, constraint: str) -> str:

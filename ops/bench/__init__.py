@@ -13,6 +13,7 @@ BENCH_MODULES = (
     "ops.bench.kv",        # bench kv: KV store vs plain file I/O, prefix lookups at 1M blocks
     "ops.bench.engine",    # bench engine: EngineCore vs transformers DeepseekV4 vs the memory floor
     "ops.bench.stack",     # bench stack: the E/P/D stack over HTTP vs the engine alone (TTFT, tokens/s)
+    "ops.bench.grammar",   # bench grammar: llguidance vs xgrammar (compile, masks), engine steps with masks
 )
 
 

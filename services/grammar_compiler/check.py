@@ -2,8 +2,9 @@
 
 `compile_constraint` is one compile job (pool.py runs it in a child process): canonical constraint
 JSON -> grammar text (grammars.py) -> `check_grammar`. The check builds a matcher against the model's
-tokenizer (which validates the grammar) and computes its first token mask: that forces the lexer
-build, where pathological regexes spend their time, so the hard timeout covers it.
+tokenizer (which validates the grammar) and walks its first few tokens: the first mask forces the
+lexer build, where pathological regexes spend their time, and the first tokens meet the parser's
+limits, so the hard timeout covers both and a request never fails on its first token instead.
 
 Failures are typed: a JSON schema keyword or string format llguidance cannot enforce is
 GRAMMAR_UNSUPPORTED naming it; any other grammar error (a bad regex, a limit the grammar exceeds)
@@ -36,8 +37,9 @@ _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 # The library's own complexity limits (grammar size, lexer states, Earley items, fuel): refused fast,
 # the same verdict as a compile that runs past the hard timeout.
-_TOO_COMPLEX = re.compile(r"too large|too complex|TooComplex|fuel|limit", re.IGNORECASE)
+_TOO_COMPLEX = re.compile(r"too large|too complex|TooComplex|fuel|limit|max is \d+", re.IGNORECASE)
 _MAX_DETAIL = 300   # characters of a library message quoted back to the client
+TRIAL_TOKENS = 8    # tokens of the trial walk (check_grammar)
 
 
 def load_tokenizer(tokenizer_json: Path):
@@ -84,9 +86,26 @@ def check_grammar(grammar: str, tokenizer, strict: bool) -> None:
             unsupported = unsupported_feature(warning)
             if unsupported:
                 raise GrammarUnsupported(unsupported)
-    matcher.compute_bitmask()   # builds the lexer: the expensive part of a pathological grammar
-    if matcher.is_error():
-        raise refusal(matcher.get_error())
+    _trial_walk(matcher)
+
+
+def _trial_walk(matcher, steps: int = TRIAL_TOKENS) -> None:
+    """Compute the first masks and take the lowest allowed token each time. The first mask builds
+    the lexer (the expensive part of a pathological grammar); the first tokens hit the parser's
+    per-row limit (2,000 Earley items: a schema with ~700+ optional properties passes the first mask
+    and fails on its first token), which would otherwise end a request mid-stream."""
+    import numpy as np
+    for _ in range(steps):
+        mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)
+        if matcher.is_error():
+            raise refusal(matcher.get_error())
+        words = np.flatnonzero(mask)
+        if matcher.is_stopped() or not len(words):
+            return
+        word = int(words[0])
+        token = word * 32 + (int(mask[word]) & -int(mask[word])).bit_length() - 1
+        if not matcher.consume_token(token):
+            raise refusal(matcher.get_error())
 
 
 def refusal(message: str) -> WireError:

@@ -64,6 +64,8 @@ class DecodeWorker(StreamingWorker):
             except BaseException:
                 self.close_stream(rid, "refused")
                 raise
+            if rid not in self.streams:   # aborted (or its gateway died) while the matcher was built
+                return StateAccepted(False, "aborted")
         engine_request = EngineRequest(rid, list(request.prompt_ids), request.sampling,
                                        request.arrival_time or time.time(), grammar=grammar)
         try:

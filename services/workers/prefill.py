@@ -150,6 +150,8 @@ class PrefillWorker(EngineWorker):
         finally:
             if fetch is not None:
                 fetch.cancel()
+                if fetch.done() and not fetch.cancelled():
+                    fetch.exception()   # the prefix load failed first: its error stands, this one is read
             self.jobs.pop(rid, None)
             if added:   # failed or aborted after the engine took it: free its state
                 await self.engine(lambda engine, r: engine.abort(r), rid)
