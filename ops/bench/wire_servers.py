@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from services.runtime.parent_death import die_with_parent
+
 ROOT = Path(__file__).resolve().parents[2]
 HWM = 1000   # the runtime's default high-water mark, on every socket of the bench
 
@@ -57,7 +59,7 @@ class Children:
 def serve(argv: list[str]) -> int:
     """`PARENT_PID raw ADDRESS copy|zerocopy` or `PARENT_PID runtime ADDRESS`."""
     parent, kind, address, *rest = argv
-    _die_with(int(parent))
+    die_with_parent(int(parent))
     if kind == "runtime":   # exactly `python -m services.runtime.main echo` (uvloop, the default config)
         from services.runtime.main import main
         return main(["echo", "--instance", f"bench-echo-{os.getpid()}", "--bind", address])
@@ -75,21 +77,3 @@ def raw_echo(address: str, copy: bool) -> int:
     print("service.ready", flush=True)
     while True:
         sock.send_multipart(sock.recv_multipart(copy=copy), copy=copy)
-
-
-def _die_with(parent_pid: int) -> None:
-    """Linux: SIGKILL this process when the bench that started it dies, so no server outlives it."""
-    import ctypes
-    import signal
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) < 4:
-        sys.exit("usage: python -m ops.bench.wire_servers PARENT_PID (raw ADDRESS copy|zerocopy | runtime ADDRESS)")
-    sys.exit(serve(sys.argv[1:]))

@@ -14,7 +14,6 @@ event loop reads the pipes (add_reader): no thread per child.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import multiprocessing
 import os
 import signal
@@ -26,6 +25,7 @@ import msgspec
 
 from messages.errors import (Draining, ErrorCode, GrammarTimeout, GrammarUnsupported, InvalidRequest,
                              Overloaded, WireError)
+from services.runtime.parent_death import die_with_parent
 
 START_TIMEOUT_S = 60.0                     # a child starts in ~2 s (most of it the tokenizer)
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)   # after children that failed to start
@@ -309,7 +309,7 @@ def _reap_later(process) -> None:
 # ---- the child process ---------------------------------------------------------------------
 def child_main(conn, tokenizer_json: str, parent_pid: int) -> None:
     """One compile process: build the tokenizer, then answer jobs until the pipe closes."""
-    _die_with(parent_pid)
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group: the parent decides
     from services.grammar_compiler.check import compile_constraint, load_tokenizer
     try:
@@ -331,13 +331,3 @@ def child_main(conn, tokenizer_json: str, parent_pid: int) -> None:
         except Exception as exc:   # noqa: BLE001 - a library bug on one constraint: report it, keep serving
             reply = ["error", int(ErrorCode.INTERNAL), f"compiling the constraint failed: {exc!r}"]
         conn.send_bytes(msgspec.msgpack.encode(reply))
-
-
-def _die_with(parent_pid: int) -> None:
-    """Linux: SIGKILL this child when the service that started it dies."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
