@@ -74,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "spin against other processes and steps vary tenfold)")
     parser.add_argument("--seed", type=int, default=0, help="random-walk seed (default 0)")
     parser.add_argument("--skip-engine", action="store_true", help="compile and masks only")
+    parser.add_argument("--device", default="cpu", help="the engine part's device (default cpu; cuda on a GPU)")
+    parser.add_argument("--dtype", default="float32", help="the engine part's dtype (default float32)")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         from messages.grammar import constraint_json
         grammar, _ = compile_constraint(constraint_json(engine_case.constraint), sides[0].tokenizer)
         doc["engine"] = measure_engine(model_dir, sides[0].tokenizer, grammar, list(args.batches), sizes["steps"],
-                                       sizes["rounds"], args.torch_threads)
+                                       sizes["rounds"], args.torch_threads, args.device, args.dtype)
         print_engine(doc["engine"], engine_case, sizes, args)
     # Part four (TTFT of plain requests while heavy grammars compile, on a running stack) goes here.
     doc["load_average_after"] = list(os.getloadavg())
@@ -211,7 +213,7 @@ def print_engine(rows: list[dict], case, sizes: dict, args) -> None:
                  "fill ms", "apply ms", "grammars completed"],
                 [[r["batch"], r["steps"], r["plain_ms"], r["masked_ms"], f"{r['ratio']:.2f}x", r["plain_p90_ms"],
                   r["masked_p90_ms"], r["fill_ms"], r["apply_ms"], r["grammars_completed"]] for r in rows],
-                title=f"\nengine steps (EngineCore, {args.model_dir}, float32, {args.torch_threads} torch thread(s)): "
+                title=f"\nengine steps (EngineCore, {args.model_dir}, {args.device} {args.dtype}, {args.torch_threads} torch thread(s)): "
                       f"B requests decoding under the `{case.name}` schema vs the same B unconstrained; median of "
                       f"{sizes['rounds']} round(s) x {sizes['steps']} steps per side, sides taking turns; "
                       f"fill / apply = the step's grammar calls timed apart (B bitmask rows filled; applied to "

@@ -9,8 +9,8 @@ request whose grammar completes is replaced at once, and the step that prefills 
 not timed. Timed: `EngineCore.step()` of pure decode steps of all B rows, the first one of each
 window left out as a warm-up. After each timed masked step, outside its time, the grammar work of
 the next step is timed on its own: `fill` (fill_bitmasks of the B live matchers, on the CPU) and
-`apply` (apply_token_bitmask_ on a [B, V] float32 logits tensor, here on the CPU too; on a GPU it
-runs on the device), the engine's two calls; the matchers' accepts (microseconds) are left out. On
+`apply` (the host-to-device copy and apply_token_bitmask_ on a [B, V] float32 logits tensor on the
+engine's device), the engine's two calls; the matchers' accepts (microseconds) are left out. On
 a model this small the step hides them; they are what a faster step would see.
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ MAX_TOKENS = 4096
 
 
 def measure_engine(model_dir: Path, tokenizer, grammar: str, batches: list[int], steps: int, rounds: int,
-                   torch_threads: int) -> list[dict]:
+                   torch_threads: int, device: str = "cpu", dtype: str = "float32") -> list[dict]:
     from engine.engine_core import EngineConfig, EngineCore
-    core = EngineCore(EngineConfig(model_dir=str(model_dir), dtype="float32", num_pages=8 * max(batches) + 16,
+    core = EngineCore(EngineConfig(model_dir=str(model_dir), device=device, dtype=dtype, num_pages=8 * max(batches) + 16,
                                    max_num_seqs=max(batches), enable_prefix_cache=False, swa_cache_bytes=0,
                                    torch_threads=torch_threads))
     ids = itertools.count()
@@ -77,14 +77,14 @@ def _window(core, batch: int, steps: int, make_grammar, ids) -> tuple[list[float
 
     for _ in range(batch):
         add()
-    logits = torch.zeros(batch, core.model.config.vocab_size) if make_grammar else None
+    logits = torch.zeros(batch, core.model.config.vocab_size, device=core.model.device) if make_grammar else None
     times, masks, completed, clean, tries = [], [], 0, False, 0
     while len(times) < steps + 1:
         tries += 1
         if tries > 4 * (steps + 2):
             raise RuntimeError(f"grammars complete too fast to time {steps} full steps of {batch} rows")
         started = time.perf_counter()
-        outputs = core.step()
+        outputs = core.step()   # ends with the sampled ids read back to the host: the device is done
         elapsed = time.perf_counter() - started
         finished = [o for o in outputs if o.finish_reason is not None]
         if clean and len(outputs) == batch and all(len(o.new_token_ids) == 1 for o in outputs):
@@ -109,5 +109,7 @@ def _mask_work(states: list, logits) -> tuple[float, float]:
     started = time.perf_counter()
     bitmask = fill_bitmasks(states, logits.shape[1])
     filled = time.perf_counter()
-    apply_token_bitmask_(logits, bitmask)
+    apply_token_bitmask_(logits, bitmask.to(logits.device))
+    if logits.is_cuda:
+        torch.cuda.synchronize(logits.device)
     return filled - started, time.perf_counter() - filled
