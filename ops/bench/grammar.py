@@ -16,8 +16,11 @@ One run, one tokenizer (the model directory's tokenizer.json, 129,280 tokens for
   engine   EngineCore on the tiny model, B (`--batches`) requests decoding under one json_schema
            (`--engine-case`) against the same batch unconstrained, sides taking turns
            (grammar_engine.py): ms per step and masked / plain.
-  (later)  TTFT of plain requests while heavy grammars compile, on a running stack: the fourth part
-           goes after the engine part, as its own table and `ttft_under_compile` in the JSON.
+  ttft     `--ttft`, a run of its own (the three parts above are skipped): TTFT of plain streaming
+           requests while heavy grammars compile, against the same requests with no grammar
+           traffic, on a local stack started for the run (grammar_ttft.py: sides taking turns,
+           optional CPU pinning of the compiler apart from the rest); its own tables, and
+           `ttft_under_compile` in the JSON. Target: loaded p99 / baseline p99 < 1.05.
 
 Ratios are xgrammar / llguidance for compile and masks (above 1: xgrammar slower or larger), and
 masked / plain for the engine, each against a baseline measured in the same run. xgrammar is not a
@@ -41,7 +44,8 @@ FULL = {"runs": 3, "tokens": 100, "steps": 5, "rounds": 3, "regex_copies": 20, "
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("grammar", help="structured output: llguidance vs xgrammar compile and "
-                                                   "mask times, engine steps with masks vs without")
+                                                   "mask times, engine steps with masks vs without; --ttft: plain TTFT "
+                                                   "while heavy grammars compile")
     add_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -60,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=_int_list, default=(1, 8), help="engine batch sizes (default 1,8)")
     parser.add_argument("--steps", type=int, help=f"timed engine steps per window (default {FULL['steps']})")
     parser.add_argument("--rounds", type=int, help=f"engine rounds, plain and masked taking turns "
-                                                   f"(default {FULL['rounds']})")
+                                                   f"(default {FULL['rounds']}); with --ttft: rounds of one "
+                                                   f"baseline and one loaded window (default 3)")
     parser.add_argument("--engine-case", default="nested", help="the json_schema class the engine's "
                                                                 "requests are held to (default nested)")
     parser.add_argument("--timeout-s", type=float, default=10.0,
@@ -72,8 +77,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="the engine's torch threads (default 1: on a busy 2-core box more threads "
                              "spin against other processes and steps vary tenfold)")
-    parser.add_argument("--seed", type=int, default=0, help="random-walk seed (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="random-walk seed; with --ttft, of the plain "
+                                                            "requests (default 0)")
     parser.add_argument("--skip-engine", action="store_true", help="compile and masks only")
+    add_ttft_arguments(parser)
+
+
+def add_ttft_arguments(parser: argparse.ArgumentParser) -> None:
+    ttft = parser.add_argument_group("--ttft: plain requests' TTFT while heavy grammars compile, on a local stack")
+    ttft.add_argument("--ttft", action="store_true", help="run this part alone (the others are skipped)")
+    ttft.add_argument("--requests", type=int, help="plain requests per side (default 60; --quick 4)")
+    ttft.add_argument("--rate", type=float, default=2.0, help="plain requests per second, Poisson arrivals "
+                                                             "(default 2)")
+    ttft.add_argument("--max-tokens", type=int, default=8, help="tokens out per plain request (default 8)")
+    ttft.add_argument("--compiles", type=int, help="GrammarCompile requests kept in flight on the loaded side "
+                                                   "(default: one per compile process of the stack)")
+    ttft.add_argument("--grammar-properties", type=int, default=6000,
+                      help="salted required properties of each compiled object (default 6000: ~0.6 s a compile "
+                           "on a 2-core box)")
+    ttft.add_argument("--compile-processes", type=int,
+                      help="the grammar compiler's processes (default: the topology's, 2 in the default stack)")
+    ttft.add_argument("--compiler-cpus", metavar="CPUS",
+                      help="CPU list (e.g. 8-15) for the grammar compiler and its compile processes; with "
+                           "--stack-cpus")
+    ttft.add_argument("--stack-cpus", metavar="CPUS",
+                      help="CPU list (e.g. 0-7) for every other service, the supervisor and this client")
+    ttft.add_argument("--topology", help="topology name or file (default: the default stack)")
+    ttft.add_argument("--workdir", help="the stack's working directory (default: a temporary one, removed after)")
     parser.add_argument("--device", default="cpu", help="the engine part's device (default cpu; cuda on a GPU)")
     parser.add_argument("--dtype", default="float32", help="the engine part's dtype (default float32)")
 
@@ -86,6 +116,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ttft:
+        from ops.bench.grammar_ttft import run_ttft
+        return run_ttft(args)
     from ops.bench.grammar_cases import cases
     sizes = {k: v if getattr(args, k, None) is None else getattr(args, k)
              for k, v in (QUICK if args.quick else FULL).items()}
@@ -130,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         doc["engine"] = measure_engine(model_dir, sides[0].tokenizer, grammar, list(args.batches), sizes["steps"],
                                        sizes["rounds"], args.torch_threads, args.device, args.dtype)
         print_engine(doc["engine"], engine_case, sizes, args)
-    # Part four (TTFT of plain requests while heavy grammars compile, on a running stack) goes here.
+    # Part four (TTFT of plain requests while heavy grammars compile) is a run of its own: --ttft.
     doc["load_average_after"] = list(os.getloadavg())
     if args.json:
         write_json(args.json, "grammar", {**doc, "notes": __doc__.strip()})

@@ -146,6 +146,10 @@ class CompilePool:
         loop = asyncio.get_running_loop()
         child = _Child(process, parent_end, loop.create_future())
         loop.add_reader(parent_end.fileno(), self._on_readable, child)
+        # uvloop's add_reader makes the pipe non-blocking, but Connection's send/recv_bytes need a
+        # blocking one: a message over the pipe's buffer (a schema or grammar of ~16 KB and up) would
+        # be cut. The child answers at once (it writes only whole messages), so a blocking read is short.
+        os.set_blocking(parent_end.fileno(), True)
         child.timer = loop.call_later(START_TIMEOUT_S, self._start_timed_out, child)
         return child
 

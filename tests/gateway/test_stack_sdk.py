@@ -104,11 +104,15 @@ def test_stop_sequence_cuts_the_greedy_text(oai):
 
 
 def test_tools_with_tool_choice_and_a_multi_turn_tool_conversation(oai):
-    with pytest.raises(openai.BadRequestError, match="cannot force a tool call"):   # not enforced yet
-        oai.chat.completions.create(
-            model=MODEL, max_tokens=24, tools=TOOLS, extra_body=NO_THINKING,
-            tool_choice={"type": "function", "function": {"name": "get_weather"}},
-            messages=[{"role": "user", "content": "Weather in Paris?"}])
+    bounded = [{"type": "function", "function": {**TOOLS[0]["function"], "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+    named = oai.chat.completions.create(   # enforced by the grammar (test_stack_structured_output.py has more)
+        model=MODEL, max_tokens=120, tools=bounded, extra_body=NO_THINKING,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        messages=[{"role": "user", "content": "Weather in Paris?"}])
+    assert named.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_weather"]
+    assert len(json.loads(named.choices[0].message.tool_calls[0].function.arguments)["city"]) <= 8
     forced = oai.chat.completions.create(
         model=MODEL, temperature=0, max_tokens=24, tools=TOOLS, tool_choice="auto", extra_body=NO_THINKING,
         messages=[{"role": "user", "content": "Weather in Paris?"}])
@@ -158,9 +162,12 @@ def test_anthropic_messages_streaming_and_not(claude):
 def test_anthropic_tools_and_tool_results(claude):
     tools = [{"name": "get_weather", "description": "Weather for a city",
               "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
-    with pytest.raises(anthropic.BadRequestError, match="cannot force a tool call"):   # not enforced yet
-        claude.messages.create(model=MODEL, max_tokens=8, tools=tools, tool_choice={"type": "any"},
-                               messages=[{"role": "user", "content": "Weather in Paris?"}])
+    bounded = [{**tools[0], "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                                             "required": ["city"]}}]
+    forced = claude.messages.create(model=MODEL, max_tokens=120, tools=bounded, extra_body=NO_THINKING,
+                                    tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                    messages=[{"role": "user", "content": "Weather in Paris?"}])
+    assert forced.stop_reason == "tool_use" and [b.name for b in forced.content if b.type == "tool_use"] == ["get_weather"]
     out = claude.messages.create(model=MODEL, max_tokens=8, tools=tools,
                                  extra_body={**GREEDY, "thinking": {"type": "disabled"}},
                                  tool_choice={"type": "auto"}, messages=[

@@ -78,7 +78,7 @@ def chat_tool(oai, name, named: bool):
 
 def claude_tool(claude, name, named: bool):
     tool = {"name": f"make_{name}", "input_schema": SCHEMAS[name], "strict": True}
-    choice = {"type": "tool", "name": f"make_{name}"} if named else {"type": "any"}
+    choice = {"type": "tool", "name": f"make_{name}"} if named else {"type": "any", "disable_parallel_tool_use": True}
     reply = claude.messages.create(model=MODEL, max_tokens=MAX_TOKENS, tools=[tool], tool_choice=choice,
                                    messages=[{"role": "user", "content": "Call the tool."}], thinking={"type": "disabled"})
     uses = [block for block in reply.content if block.type == "tool_use"]

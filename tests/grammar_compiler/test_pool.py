@@ -77,3 +77,21 @@ async def test_a_tokenizer_that_does_not_load_fails_the_start_with_the_reason(tm
     with pytest.raises(RuntimeError, match=f"a compile process failed to start: {broken}"):
         await pool.start()
     assert pool.pids() == []
+
+
+def test_large_constraints_and_grammars_cross_the_pipe_whole_under_uvloop():
+    """The services run on uvloop, whose add_reader makes the pipe non-blocking: a constraint and
+    a grammar far over the pipe's buffer (here ~150 KB each way) must still arrive whole."""
+    import uvloop
+    schema = {"type": "object", "properties": {f"field_{i:05d}": {"type": "integer"} for i in range(6000)},
+              "required": [f"field_{i:05d}" for i in range(6000)]}
+
+    async def compile_big():
+        async with started_pool(compile_timeout_s=60.0) as pool:
+            pids = pool.pids()
+            result = await pool.compile(constraint_json({"kind": "json_schema", "schema": schema, "strict": True}))
+            return result, pool.stats, pids == pool.pids()
+
+    (grammar, ms), stats, same_child = uvloop.run(compile_big())
+    assert len(grammar) > 100_000 and "field_05999" in grammar and ms > 0
+    assert same_child and stats.jobs == 1 and stats.crashes == stats.restarts == 0   # no cut message, no retry

@@ -146,7 +146,10 @@ async def test_a_killed_kv_writer_restarts_with_its_published_blocks_and_never_s
                 if kill_at is not None:
                     assert f"killing at {kill_at.partition(':')[0]}" in first.log() and len(ledger.confirmed) >= 2
                     on_disk(root)
-                assert not scan(root, segments(root)[-1]).sealed   # it died with a segment open
+                # A kill point dies with a segment open; a plain SIGKILL may also land between sealing a
+                # full segment and opening the next (seen on a loaded box), with nothing to recover then.
+                died_open = not scan(root, segments(root)[-1]).sealed
+                assert died_open or kill_at is None
 
                 restarted = await start(ServiceProcess(config, logs[1]))   # same address, same root
                 processes.append(restarted)
@@ -156,7 +159,7 @@ async def test_a_killed_kv_writer_restarts_with_its_published_blocks_and_never_s
                 if in_flight_kept is not None:
                     assert kept == in_flight_kept, "the restart kept a cut record or lost a whole one"
                 assert_all_sealed(root)
-                assert "kv_store.segment_recovered" in restarted.log()
+                assert ("kv_store.segment_recovered" in restarted.log()) == died_open
 
                 resumed = range(in_flight, ledger.highest + 1 + NEW_CHAINS)   # what was lost, then new chains
                 ledger.highest = resumed[-1]

@@ -79,9 +79,10 @@ def test_default_stack_up_status_down_leaves_no_process(epd, tiny_v41_model_dir)
     assert status["supervisor"] == "ready"
     assert all(s["state"] == "running" for s in status["services"])
     peers = {s["kind"]: s["peers"] for s in status["services"]}   # the default is the E/P/D form
-    assert set(peers) == {"gateway", "prefill_router", "prefill_worker", "decode_router", "decode_worker",
-                          "kv_writer", "swa_registry"}
+    assert set(peers) == {"gateway", "grammar_compiler", "prefill_router", "prefill_worker", "decode_router",
+                          "decode_worker", "kv_writer", "swa_registry"}
     assert peers["prefill_router"] == "2/2" and peers["decode_router"] == "1/1"   # gateway + prefill worker; decode worker
+    assert peers["gateway"] == "1/1"   # the grammar compiler registers with the gateway
     body = {"model": "deepseek-v41-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
     request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
