@@ -77,3 +77,9 @@ def raw_echo(address: str, copy: bool) -> int:
     print("service.ready", flush=True)
     while True:
         sock.send_multipart(sock.recv_multipart(copy=copy), copy=copy)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4:
+        sys.exit("usage: python -m ops.bench.wire_servers PARENT_PID (raw ADDRESS copy|zerocopy | runtime ADDRESS)")
+    sys.exit(serve(sys.argv[1:]))
