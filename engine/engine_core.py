@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,6 +90,12 @@ class EngineRequest:
     # Structured output: the request's matcher, built by the caller with every token the request has
     # already produced (restore's generated_ids) replayed into it; the engine feeds it what it samples.
     grammar: GrammarState | None = None
+    # Images (V4.1 vision): the prompt's images (messages.images.ImageInput, spans in prompt order)
+    # and, per image, its span embeddings [tokens, hidden] from a vision worker, or None for an image
+    # the caller knows the prefix cache covers. A step that would compute an image token without its
+    # embeddings fails that request (ERROR), never feeds the placeholder id's own embedding.
+    images: list = field(default_factory=list)
+    image_embeds: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -182,8 +188,9 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
+        failed, self.scheduler.failed = self.scheduler.failed, []
         if not scheduled:
-            return []
+            return [self._output(seq) for seq in failed]
         seqs, result = self.runner.run(scheduled)
         token_ids = result.token_ids.tolist() if seqs else []
         for row, seq in enumerate(seqs):
@@ -191,7 +198,7 @@ class EngineCore:
             logprob = result.logprobs[row] if params.logprobs and result.logprobs is not None else None
             top = result.top_logprobs[row] if params.top_logprobs and result.top_logprobs is not None else None
             self.scheduler.postprocess(seq, token_ids[row], logprob, top)
-        return [self._output(seq) for seq in seqs]
+        return [self._output(seq) for seq in [*seqs, *failed]]
 
     def stats(self) -> EngineStats:
         blocks = self.kv.blocks
@@ -312,9 +319,30 @@ class EngineCore:
         if len(generated_ids) >= params.max_tokens:
             raise ValueError(f"request {rid!r}: already generated {len(generated_ids)} tokens, "
                              f"max_tokens is {params.max_tokens}")
+        self._check_images(rid, prompt, request.images, request.image_embeds)
         generator = make_generator(params.seed, rid, self.model.device)
         return Sequence(rid, tokens, len(prompt), params, self.model_id, request.arrival_time, generator,
-                        exact_prefix=request.exact_prefix, grammar=request.grammar)
+                        exact_prefix=request.exact_prefix, grammar=request.grammar, images=list(request.images),
+                        image_embeds=list(request.image_embeds))
+
+    def _check_images(self, rid: str, prompt: Seq[int], images: Seq, embeds: Seq) -> None:
+        """Image spans must lie in the prompt on the image token, each with [tokens, hidden] rows or None."""
+        image_token = getattr(self.model.config, "image_token_id", None)
+        if embeds and len(embeds) != len(images):
+            raise ValueError(f"request {rid!r}: {len(embeds)} image embeddings for {len(images)} images")
+        end = 0
+        for i, image in enumerate(images):
+            if image_token is None:
+                raise ValueError(f"request {rid!r}: this model has no vision input")
+            if image.start < end or image.end > len(prompt) or any(
+                    t != image_token for t in prompt[image.start : image.end]):
+                raise ValueError(f"request {rid!r}: image {i} span [{image.start}, {image.end}) is not a run "
+                                 f"of image tokens inside the prompt after the previous image")
+            end = image.end
+            rows = embeds[i] if embeds else None
+            if rows is not None and tuple(rows.shape) != (image.grid.tokens, self.model.config.hidden_size):
+                raise ValueError(f"request {rid!r}: image {i} embeddings have shape {tuple(rows.shape)}, expected "
+                                 f"({image.grid.tokens}, {self.model.config.hidden_size})")
 
     def _running(self, request_id: str) -> Sequence:
         seq = self.requests.get(request_id)

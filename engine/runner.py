@@ -76,9 +76,29 @@ class ModelRunner:
             states.append(seq.state)
             captures.append(self.kv.capture_positions(seq, count))
         chunks = list(torch.tensor(tokens, dtype=torch.long).to(device).split(counts))  # one host-to-device copy
+        embeds = [image_rows(seq, seq.num_computed, count, device) for seq, count in scheduled]
+        extra = {"embeds": embeds} if any(e is not None for e in embeds) else {}
         if not self.batch_invariant:
-            return self.model(chunks, states, captures=captures)
-        return torch.cat([self.model([c], [s], captures=[p]) for c, s, p in zip(chunks, states, captures)])
+            return self.model(chunks, states, captures=captures, **extra)
+        return torch.cat([self.model([c], [s], captures=[p], **({"embeds": [e]} if e is not None else {}))
+                          for c, s, p, e in zip(chunks, states, captures, embeds)])
+
+
+def image_rows(seq: Sequence, start: int, count: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The image embedding rows falling in the chunk [start, start + count) of `seq`, as the model's
+    `embeds` pair (offsets within the chunk, rows), or None when the chunk has no image token."""
+    offsets, rows = [], []
+    for image, embeds in zip(seq.images, seq.image_embeds):
+        lo, hi = max(image.start, start), min(image.end, start + count)
+        if lo >= hi:
+            continue
+        if embeds is None:   # the scheduler admits no chunk that needs a missing image
+            raise RuntimeError(f"{seq.request_id}: image at {image.start} has no embeddings")
+        offsets.append(torch.arange(lo - start, hi - start))
+        rows.append(embeds[lo - image.start : hi - image.start])
+    if not rows:
+        return None
+    return torch.cat(offsets).to(device), torch.cat([r.to(device) for r in rows])
 
 
 def _report_unmasked_logprobs(result: SampleResult, logits: torch.Tensor, params: list[SamplingParams]) -> None:

@@ -6,7 +6,8 @@ describes buffer frames (dtype, shape, bytes); `prefix` is the block hash chain 
 shares. No torch here: routers and stores import this package without loading it.
 Importing this package registers every message type in the catalogue.
 """
-from messages import control, errors, generate, grammar, handoff, kv_store, routing, swa_registry  # noqa: F401  (registration)
+from messages import (control, errors, generate, grammar, handoff, kv_store, routing, swa_registry,  # noqa: F401
+                      vision)  # (registration)
 from messages.envelope import SCHEMA_VERSION, Codec, Envelope, Header, WireLimits
 from messages.errors import ErrorCode, ErrorReply, WireError
 from messages.registry import Message, message_types, tag_of

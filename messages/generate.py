@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from messages.common import SamplingParams, TopLogprob, TrafficClass, Usage
 from messages.grammar import GrammarRef
+from messages.images import ImageInput
 from messages.registry import Message, register
 
 
@@ -21,10 +22,12 @@ class GenerateRequest(Message):
     traffic_class: int = TrafficClass.CHATBOT
     return_address: str = ""               # where GenerateChunk messages go
     arrival_time: float = 0.0
-    image_refs: list[str] = []             # later: vision embeddings by reference
+    images: list[ImageInput] = []          # the prompt's images, spans in prompt order (messages/images.py)
     grammar: GrammarRef | None = None      # an output constraint (structured output, forced tool calls)
     exact_prefix: bool = False             # no approximate prefix hit (V4.1 bounded replay): set on a
                                            # resumed attempt, which must continue exactly (gateway/resume.py)
+    vision_groups: list[str] = []          # live vision balancers (group leaders): the prefill side picks one
+                                           # at random to encode `images` (seed 000)
 
 
 @register(0x0202)

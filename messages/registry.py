@@ -2,8 +2,8 @@
 
 Tags are grouped by boundary (high byte) so a tag tells a reader where a frame comes from:
 0x00 errors, 0x01 control/membership, 0x02 gateway<->upstream, 0x03 routers<->workers,
-0x04 worker<->worker hand-off, 0x05 SWA registry, 0x06 KV store. Tags never change meaning;
-new types take new tags. Tests may register types in 0xF0xx.
+0x04 worker<->worker hand-off, 0x05 SWA registry, 0x06 KV store, 0x07 grammar compiler, 0x08 the
+vision pool. Tags never change meaning; new types take new tags. Tests may register types in 0xF0xx.
 """
 from __future__ import annotations
 

@@ -89,11 +89,19 @@ def stop_waves(topology: Topology) -> list[list[str]]:
     upstream; any other service is fed by its upstream (a router feeds the workers registered with
     it); and a service sends work to the peers its settings name ("@name")."""
     feeds: dict[str, set[str]] = {spec.name: set(spec.peers.values()) for spec in topology.services}
+    fronts = {spec.name for spec in topology.services if "http_bind" in spec.options.get("settings", {})}
     for spec in topology.services:
-        if spec.upstream and "http_bind" in spec.options.get("settings", {}):
+        if spec.upstream and spec.name in fronts:
             feeds[spec.name].add(spec.upstream)
         elif spec.upstream:
             feeds[spec.upstream].add(spec.name)
+    # A service registered with a front (a grammar compiler, a vision group's leader) is named to the
+    # workers in each request and called by them: it stops after every service on the request path.
+    aides = {spec.name for spec in topology.services if spec.upstream in fronts}
+    helped = _fed_by(feeds, aides)
+    for spec in topology.services:
+        if spec.name not in fronts and spec.name not in helped:
+            feeds[spec.name] |= aides
     waves, left = [], [spec.name for spec in topology.services]
     while left:
         wave = [name for name in left if not any(name in feeds[other] for other in left if other != name)]
@@ -101,6 +109,17 @@ def stop_waves(topology: Topology) -> list[list[str]]:
         waves.append(wave)
         left = [name for name in left if name not in wave]
     return waves
+
+
+def _fed_by(feeds: dict[str, set[str]], roots: set[str]) -> set[str]:
+    """`roots` and every service they feed, directly or not."""
+    seen, todo = set(roots), list(roots)
+    while todo:
+        for fed in feeds[todo.pop()]:
+            if fed not in seen:
+                seen.add(fed)
+                todo.append(fed)
+    return seen
 
 
 @dataclass

@@ -14,6 +14,8 @@ KINDS: dict[str, str] = {
     "swa_registry": "services.swa_registry.service:SwaRegistryService",
     "kv_writer": "services.kv_writer.service:KvWriterService",
     "grammar_compiler": "services.grammar_compiler.service:GrammarCompilerService",
+    "vision_balancer": "services.vision_balancer.service:VisionBalancerService",
+    "vision_worker": "services.vision_worker.service:VisionWorkerService",
     "gateway": "services.gateway.service:GatewayService",
     "unified_worker": "services.workers.unified:UnifiedWorker",
     "prefill_worker": "services.workers.prefill:PrefillWorker",

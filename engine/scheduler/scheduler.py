@@ -40,9 +40,10 @@ class Scheduler:
         self.held: dict[str, Sequence] = {}  # prefill-only sequences waiting for hand-off
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
+        self.failed: list[Sequence] = []   # finished ERROR at admission; the engine reports them next
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.failed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -80,6 +81,9 @@ class Scheduler:
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = self.kv.find_hit(seq)
+            if seq.images and seq.missing_image_before(hit.tokens) is not None:
+                self._fail_missing_image(seq, hit.tokens)
+                continue
             count = self._chunk(seq, hit.tokens, budget)
             if count == 0 or not self.kv.can_admit(seq, hit, count):
                 break
@@ -102,6 +106,15 @@ class Scheduler:
             return min(remaining, budget)
         count = min(remaining, INVARIANT_CHUNK - start % INVARIANT_CHUNK)
         return count if count <= budget else 0
+
+    def _fail_missing_image(self, seq: Sequence, start: int) -> None:
+        """Its computation would start at `start`, before an image the caller gave no embeddings for
+        (it expected a longer prefix hit, or a preemption lost the cached blocks): computing the span
+        from the placeholder id's own embedding would be a silent wrong answer, so the request fails."""
+        self.waiting.popleft()
+        seq.finish_reason = FinishReason.ERROR
+        seq.status = SequenceStatus.FINISHED
+        self.failed.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -36,6 +36,10 @@ class Sequence:
     prefill_only: bool = False  # hold after the first sampled token instead of decoding on
     exact_prefix: bool = False  # no bounded-replay prefix hit (EngineRequest.exact_prefix)
     grammar: GrammarState | None = None  # structured output: masks sampling, accepts each sampled token
+    images: list = field(default_factory=list)  # the prompt's images (messages.images.ImageInput): their
+                                                # digests enter the block hashes
+    image_embeds: list = field(default_factory=list)  # per image: its span rows [tokens, hidden], or None
+                                                      # where the caller knew the prefix cache covers it
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens whose KV the state holds
     num_cached_tokens: int = 0  # tokens taken from the prefix cache (or a hand-off) on first admission
@@ -65,7 +69,13 @@ class Sequence:
         return len(self.token_ids) - self.num_computed
 
     def update_hashes(self) -> None:
-        self.block_hashes = block_hashes(self.model_id, self.token_ids, previous=self.block_hashes)
+        self.block_hashes = block_hashes(self.model_id, self.token_ids, previous=self.block_hashes,
+                                         images=self.images)
+
+    def missing_image_before(self, start: int) -> int | None:
+        """The index of an image ending after position `start` whose embeddings this sequence lacks."""
+        return next((i for i, image in enumerate(self.images)
+                     if image.end > start and (i >= len(self.image_embeds) or self.image_embeds[i] is None)), None)
 
     def append(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         self.token_ids.append(token_id)

@@ -10,6 +10,11 @@ Names are the flat reference names (`embed.weight`, `layers.3.attn.wq_a.weight`,
 - bfloat16: everything else (embeddings, norms, router weight, indexer keys, ...).
 A quantized tensor `X.weight` has its scale in `X.scale`. DSpark (`mtp.*`) and vision
 (`vision.*`, `aligner.*`, `image_*`) tensors ship too; the text model skips them.
+
+The vision tower (`vision_tensor_specs`) is never quantized: NeMo's adapter quantizes only
+`layers.N.` attention/expert/Engram names, and its vision norms are kept fp32
+(`_keep_in_fp32_modules_strict`: `vision.norm`, `norm1.weight`, `norm2.weight`); every other vision,
+aligner and `image_*` tensor is bfloat16. `iter_vision_state_dict` reads only those.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from engine.v41.config import V41Config, load_v41_config
 
 BF16, FP32, FP8, MXFP4, FP8_ROWS = "bf16", "fp32", "fp8", "mxfp4", "fp8_rows"
 QUANTIZED = (FP8, MXFP4, FP8_ROWS)
-SKIPPED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")
+VISION_PREFIXES = ("vision.", "aligner.", "image_")
+SKIPPED_PREFIXES = ("mtp.", *VISION_PREFIXES)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -90,6 +96,38 @@ def released_tensor_specs(config: V41Config) -> dict[str, TensorSpec]:
         specs.update(_layer_specs(c, layer))
     specs["norm.weight"] = TensorSpec((c.hidden_size,), BF16)
     specs["head.weight"] = TensorSpec((c.vocab_size, c.hidden_size), FP32)
+    return specs
+
+
+def vision_tensor_specs(config: V41Config) -> dict[str, TensorSpec]:
+    """The vision tower's weights (ViT, aligner, learned span vectors); empty without one."""
+    v, h = config.vision, config.hidden_size
+    if not v.enabled:
+        return {}
+    d, patch_dim = v.hidden_size, 3 * v.patch_size ** 2
+    specs = {"vision.patch_embed.proj.weight": TensorSpec((d, patch_dim), BF16),
+             "vision.patch_embed.proj.bias": TensorSpec((d,), BF16)}
+    for block in range(v.num_layers):
+        p = f"vision.blocks.{block}."
+        specs.update({
+            p + "norm1.weight": TensorSpec((d,), FP32),
+            p + "attn.wqkv.weight": TensorSpec((3 * d, d), BF16),
+            p + "attn.wqkv.bias": TensorSpec((3 * d,), BF16),
+            p + "attn.wo.weight": TensorSpec((d, d), BF16),
+            p + "attn.wo.bias": TensorSpec((d,), BF16),
+            p + "norm2.weight": TensorSpec((d,), FP32),
+            p + "mlp.w1.weight": TensorSpec((2 * v.intermediate_size, d), BF16),
+            p + "mlp.w2.weight": TensorSpec((d, v.intermediate_size), BF16),
+        })
+    specs["vision.norm.weight"] = TensorSpec((d,), FP32)
+    specs.update({
+        "aligner.w1.weight": TensorSpec((h, d * v.downsample_ratio ** 2), BF16),
+        "aligner.w1.bias": TensorSpec((h,), BF16),
+        "aligner.w2.weight": TensorSpec((h, h), BF16),
+        "aligner.w2.bias": TensorSpec((h,), BF16),
+    })
+    for name in ("image_start", "image_newline", "image_end"):
+        specs[name] = TensorSpec((h,), BF16)
     return specs
 
 
@@ -207,6 +245,30 @@ def load_v41_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The whole dequantized text model under its released names (see `iter_v41_state_dict`)."""
     return dict(iter_v41_state_dict(model_dir, device, dtype, keep_engram_fp8))
+
+
+def iter_vision_state_dict(
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(released name, tensor) of the vision tower only: float32 tensors stay float32, bfloat16 ones
+    come out in `dtype`. A model without a vision encoder, a missing tensor or a wrong shape or dtype
+    is an error, as is a vision tensor the config does not describe; text and DSpark tensors are not read."""
+    model_dir = Path(model_dir)
+    config = load_v41_config(model_dir)
+    if not config.vision.enabled:
+        raise ValueError(f"{model_dir}: the config has no vision encoder (vision_config.num_hidden_layers is 0)")
+    specs = vision_tensor_specs(config)
+    location = _tensor_files(model_dir)
+    missing = sorted(name for name in specs if name not in location)
+    if missing:
+        raise KeyError(f"{len(missing)} vision tensors missing from {model_dir}: {missing[:5]}")
+    unexpected = sorted(k for k in location if k.startswith(VISION_PREFIXES) and k not in specs)
+    if unexpected:
+        raise KeyError(f"{len(unexpected)} vision tensors the config does not describe: {unexpected[:5]}")
+    with _Shards(model_dir, location) as shards:
+        for name, spec in specs.items():
+            tensor = shards.read(name, spec.shape, spec.dtype)
+            yield name, (tensor if spec.format == FP32 else tensor.to(dtype)).to(device)
 
 
 def _skipped(key: str, config: V41Config) -> bool:

@@ -1,7 +1,8 @@
 """DeepSeek V4.1 configuration: parse the released nested `config.json` (`model_type` `deepseek_v41`).
 
-The file nests the text model under `text_config` (and the vision tower under `vision_config`);
-`V41Config` keeps the text model's fields flat, plus the few top-level ids the engine needs.
+The file nests the text model under `text_config` and the vision tower under `vision_config`;
+`V41Config` keeps the text model's fields flat, plus the few top-level ids the engine needs, and the
+vision tower as a `V41VisionConfig` (`vision`; 0 layers: the checkpoint has no vision encoder).
 
 Layer roles (CSA2): a layer with compress ratio 0 attends its 128-token window only. A compressed
 layer reads the compressed KV of the nearest KV source at or before it (`kv_source_of`); a source
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.model.config import read_config_dict   # the same lookup as V4's: name, file or directory
+from messages.images import VisionSizing
 
 MODEL_TYPE = "deepseek_v41"
 
@@ -23,6 +25,78 @@ SWA, SOURCE, REINDEX, REUSE = "swa", "source", "reindex", "reuse"
 
 _DEFAULT_YARN = {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
                  "original_max_position_embeddings": 65536}
+
+
+@dataclass(frozen=True, slots=True)
+class V41VisionConfig:
+    """The nested `vision_config`; defaults are the release's (NeMo `DeepseekV41VisionConfig`)."""
+
+    num_layers: int = 32
+    hidden_size: int = 1024
+    num_heads: int = 16
+    intermediate_size: int = 2816
+    patch_size: int = 14
+    rope_theta: float = 10000.0
+    downsample_ratio: int = 3
+    max_image_tokens: int = 1024
+    min_pixels: int = 295936
+    max_wh_ratio: float | None = None
+
+    def __post_init__(self):
+        if self.num_layers < 0:
+            raise ValueError("vision num_hidden_layers must be >= 0")
+        for name in ("hidden_size", "num_heads", "intermediate_size", "patch_size", "downsample_ratio",
+                     "min_pixels"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"vision {name} must be positive")
+        if self.max_image_tokens < 4:
+            raise ValueError("vision max_image_tokens must be at least 4")
+        if self.hidden_size % self.num_heads or self.head_dim % 4:
+            raise ValueError("vision hidden_size / num_attention_heads must be a multiple of 4 (2D RoPE)")
+        if not 0 < self.rope_theta < float("inf"):
+            raise ValueError("vision rope_theta must be finite and positive")
+        if self.max_wh_ratio is not None and not 1 <= self.max_wh_ratio < float("inf"):
+            raise ValueError("vision max_wh_ratio must be None or at least 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_layers > 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def sizing(self) -> VisionSizing:
+        return VisionSizing(patch_size=self.patch_size, downsample_ratio=self.downsample_ratio,
+                            max_image_tokens=self.max_image_tokens, min_pixels=self.min_pixels,
+                            max_wh_ratio=self.max_wh_ratio)
+
+    def to_dict(self) -> dict:
+        """The released `vision_config` keys."""
+        return {"model_type": "deepseek_v41_vision", "num_hidden_layers": self.num_layers,
+                "hidden_size": self.hidden_size, "num_attention_heads": self.num_heads,
+                "intermediate_size": self.intermediate_size, "patch_size": self.patch_size,
+                "rope_theta": self.rope_theta, "downsample_ratio": self.downsample_ratio,
+                "max_image_tokens": self.max_image_tokens, "min_pixels": self.min_pixels,
+                "max_wh_ratio": self.max_wh_ratio}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "V41VisionConfig":
+        fields = {}
+        for key, name, cast in _VISION_KEYS:
+            if raw.get(key) is not None:
+                fields[name] = cast(raw[key])
+        return cls(**fields)
+
+
+_VISION_KEYS = (
+    ("num_hidden_layers", "num_layers", int), ("hidden_size", "hidden_size", int),
+    ("num_attention_heads", "num_heads", int), ("intermediate_size", "intermediate_size", int),
+    ("patch_size", "patch_size", int), ("rope_theta", "rope_theta", float),
+    ("downsample_ratio", "downsample_ratio", int), ("max_image_tokens", "max_image_tokens", int),
+    ("min_pixels", "min_pixels", int), ("max_wh_ratio", "max_wh_ratio", float),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +150,8 @@ class V41Config:
     pad_token_id: int | None = 2
     tie_word_embeddings: bool = False
     dtype: str = "bfloat16"
+    # built in code: no vision tower unless given one (a parsed config.json follows NeMo, see `_parse`)
+    vision: V41VisionConfig = field(default_factory=lambda: V41VisionConfig(num_layers=0))
 
     def __post_init__(self):
         n = self.num_layers
@@ -220,6 +296,8 @@ def _parse(raw: dict) -> V41Config:
         if value is not None:
             fields[key] = _first(value)
     fields["dtype"] = str(raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or "bfloat16")
+    # a missing vision_config is the release's tower, as in NeMo; {"num_hidden_layers": 0} turns it off
+    fields["vision"] = V41VisionConfig.from_dict(raw.get("vision_config") or {})
     return V41Config(**fields)
 
 

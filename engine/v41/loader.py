@@ -3,7 +3,8 @@
 Quantized weights (FP8 32x32 blocks, MXFP4 experts) are dequantized at load, on every device for
 now: the fused kernels that read them directly are issue #15's. The Engram tables stay FP8 in host
 memory (pinned where CUDA is present) and are read by row; the n-gram hasher is built from the
-directory's tokenizer.json, as the release requires.
+directory's tokenizer.json, as the release requires. The vision tower's tensors (`vision.*`,
+`aligner.*`, `image_*`) are skipped here: `engine.v41.vision.VisionEncoder.load` reads them.
 """
 
 from __future__ import annotations

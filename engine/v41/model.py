@@ -7,6 +7,10 @@ advanced in place. Module names are the released checkpoint's (`embed`, `layers.
 
 Per block: [Engram] -> attention site -> FFN site, with single-pass mHC (`engine.v41.hyper`).
 
+Images: `embeds` replaces the embedding rows of a prompt's image span with the vision encoder's
+(`engine.v41.vision`) before the hc expansion; in a step that carries any, every token whose id is
+`image_token_id` routes with `bias_vl` and has Engram masked (V41.md section 4).
+
 A trimmed replay (a state with `trim_from`, set by engine/kv/manager.py) runs the layers above the
 last KV source only on its rows at or after `trim_from` (`engine.v41.sub_batch`); the others get
 zero logits.
@@ -111,6 +115,7 @@ class DeepseekV41(nn.Module):
         all_logits: bool = False,
         captures: Sequence[Sequence[int]] | None = None,
         image_masks: Sequence[torch.Tensor] | None = None,
+        embeds: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     ) -> torch.Tensor:
         """Run new tokens of each sequence; advance each state in place.
 
@@ -118,19 +123,28 @@ class DeepseekV41(nn.Module):
         token of every chunk [B, vocab], or of every token packed in chunk order [sum(len), vocab].
         captures[i]: ascending absolute positions in (num_tokens, num_tokens + len] where state i
         captures its windows and tails. image_masks[i]: bool per token of chunk i, True for image
-        tokens (routed with `bias_vl`). Rows a trimmed replay leaves out of the upper layers get zero
-        logits (a chunk whose last row is one of them, a zero row); such a chunk captures nothing.
+        tokens (routed with `bias_vl`). embeds[i]: None, or (offsets LongTensor [k] within chunk i,
+        rows [k, hidden]) that replace those tokens' embeddings (an image span's rows); when any chunk
+        has them, tokens with id `image_token_id` are image tokens even without image_masks (a
+        text-only step pays nothing for it). Rows a trimmed replay leaves out of the upper layers get
+        zero logits (a chunk whose last row is one of them, a zero row); such a chunk captures nothing.
         """
         if len(chunks) != len(states) or not chunks:
             raise ValueError("need one state per chunk and at least one chunk")
-        batch = self._pack(chunks, states, image_masks)
+        rows = self._embed_rows(chunks, embeds)
+        batch = self._pack(chunks, states, image_masks, by_id=rows is not None)
         if captures is not None:
             batch.captures = _checked_captures(captures, chunks, states)
         skips = trimmed_rows(batch) if self.config.last_kv_source >= 0 else None
         if skips is not None and any(skip and batch.captures and batch.captures[i] for i, skip in enumerate(skips)):
             raise ValueError("a chunk with trimmed replay rows cannot capture a boundary (its upper windows are cut)")
         spans, kept = batch.spans, None
-        streams = self.embed(batch.input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        if rows is None:
+            embedded = self.embed(batch.input_ids)
+        else:  # replaced rows look up id 0: an image id need not be inside the vocabulary (tiny test models)
+            embedded = self.embed(batch.input_ids.index_fill(0, rows[0], 0))
+            embedded[rows[0]] = rows[1].to(embedded.dtype)
+        streams = embedded.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         pre = hyper.first_pre(streams.shape[0], self.config, streams.device)
         for layer, block in enumerate(self.layers):
             # above the last KV source nothing cached reads the trimmed rows: drop them there
@@ -166,7 +180,28 @@ class DeepseekV41(nn.Module):
         out[torch.tensor(kept.members, device=out.device)] = self.head(hidden.float())
         return out
 
-    def _pack(self, chunks, states, image_masks) -> V41Batch:
+    def _embed_rows(self, chunks, embeds) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`embeds` as (packed row index [K], rows [K, hidden]) on the model's device, or None."""
+        if embeds is None or all(e is None for e in embeds):
+            return None
+        if len(embeds) != len(chunks):
+            raise ValueError("need one embeds entry (or None) per chunk")
+        index, rows, start = [], [], 0
+        for chunk, entry in zip(chunks, embeds):
+            if entry is not None:
+                offsets, values = entry
+                hidden = self.config.hidden_size
+                if offsets.dim() != 1 or offsets.dtype != torch.long or values.shape != (offsets.numel(), hidden):
+                    raise ValueError(f"embeds: need offsets LongTensor [k] and rows [k, {hidden}], "
+                                     f"got {tuple(offsets.shape)} {offsets.dtype} and {tuple(values.shape)}")
+                if offsets.numel() and (int(offsets.min()) < 0 or int(offsets.max()) >= chunk.numel()):
+                    raise ValueError(f"embeds: offsets must lie within the chunk's {chunk.numel()} tokens")
+                index.append(offsets.to(self.device) + start)
+                rows.append(values.to(self.device))
+            start += chunk.numel()
+        return torch.cat(index), torch.cat(rows)
+
+    def _pack(self, chunks, states, image_masks, by_id: bool = False) -> V41Batch:
         device, spans, positions, selections, start = self.device, [], [], [], 0
         for chunk, state in zip(chunks, states):
             if chunk.dim() != 1 or chunk.numel() == 0:
@@ -182,6 +217,9 @@ class DeepseekV41(nn.Module):
             if [m.numel() for m in image_masks] != [c.numel() for c in chunks]:
                 raise ValueError("need one image flag per token")
             image_mask = torch.cat([m.reshape(-1) for m in image_masks]).to(device=device, dtype=torch.bool)
+        if by_id:
+            is_image = input_ids == self.config.image_token_id
+            image_mask = is_image if image_mask is None else image_mask | is_image
         angles = {name: rotary.angles(positions) for name, rotary in self.rotaries.items()}
         batch = V41Batch(input_ids, positions, spans, list(states), angles, selections, image_mask)
         if self.config.engram_layer_ids:

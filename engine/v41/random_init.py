@@ -3,14 +3,15 @@
 config.json is the released nested layout (model_type deepseek_v41, text_config, vision_config,
 image_token_id, quantization_config); the safetensors shards use the released names, and store
 FP8 / MXFP4 with e8m0 scales wherever the release is quantized (see `engine.v41.checkpoint`).
-The text model only: no vision tower (vision_config has 0 layers) and no DSpark layers
-(num_nextn_predict_layers 0).
+The text model, and the vision tower when vision_config has layers (ViT, aligner and the learned
+image_start/newline/end, bf16 with fp32 norms as released); no DSpark layers (num_nextn_predict_layers 0).
 
 `write_v41_model_dir_from_tensors` writes given weights instead (a reference model's, say).
 
 Random values are drawn chunk by chunk (a fixed number of rows per chunk, each chunk from its own
 generator seeded by (seed, name, chunk)), then quantized and streamed into the shard file, so the
-weights do not depend on write order or sharding, and a table larger than memory can be written.
+weights do not depend on write order or sharding, and a table larger than memory can be written;
+adding the vision tower leaves every text weight as it was.
 Parameters a fresh reference model leaves at zero (sinks, router biases) are randomised: zeros hide bugs.
 """
 
@@ -26,7 +27,16 @@ import torch
 
 from engine.quant.fp8_blocks import ROW_GROUP, V41_BLOCK, quantize_fp8, quantize_fp8_blocks
 from engine.quant.mxfp4 import quantize_mxfp4
-from engine.v41.checkpoint import FP8, FP8_ROWS, FP32, MXFP4, TensorSpec, released_tensor_specs, scale_name
+from engine.v41.checkpoint import (
+    FP8,
+    FP8_ROWS,
+    FP32,
+    MXFP4,
+    TensorSpec,
+    released_tensor_specs,
+    scale_name,
+    vision_tensor_specs,
+)
 from engine.model.config import read_config_dict
 from engine.v41.config import V41Config, load_v41_config
 from engine.v41.safetensors_stream import SafetensorsStream
@@ -77,7 +87,7 @@ def _write_model_dir(raw: dict, out_dir: str | Path, values) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(released_config(raw, config), indent=2) + "\n")
-    _write_weights(out, released_tensor_specs(config), values)
+    _write_weights(out, {**released_tensor_specs(config), **vision_tensor_specs(config)}, values)
     write_v41_tokenizer(out)
     return out
 
@@ -118,7 +128,7 @@ def released_config(raw: dict, config: V41Config) -> dict:
         tie_word_embeddings=False, dtype="bfloat16",
         bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
     )
-    vision = {**(raw.get("vision_config") or {}), "model_type": "deepseek_v41_vision", "num_hidden_layers": 0}
+    vision = {**(raw.get("vision_config") or {}), **c.vision.to_dict()}
     return {
         "architectures": ["DeepseekV41ForCausalLM"],
         "model_type": "deepseek_v41",
@@ -155,7 +165,7 @@ def random_rows(name: str, spec: TensorSpec, begin: int, end: int, seed: int) ->
         return 0.1 * torch.randn(shape, generator=g)
     if "norm" in leaf or leaf in ("q_weight", "k_weight"):
         return 1.0 + 0.1 * torch.randn(shape, generator=g)
-    if name in ("embed.weight",) or name.endswith("engram.embed.weight"):
+    if name in ("embed.weight", "image_start", "image_newline", "image_end") or name.endswith("engram.embed.weight"):
         return torch.randn(shape, generator=g)
     if ".experts." in name or ".shared_experts." in name:
         gain = 0.25 if leaf == "w2" else 4.0  # w1/w3 reach swiglu_limit

@@ -24,6 +24,7 @@ from messages.common import FinishReason
 from messages.control import ServiceState
 from messages.generate import GenerateChunk
 from services.gateway.adapter import GatewayError, Protocol
+from services.gateway.image_calls import resolve_images, send_generate, vision_groups
 from services.gateway.grammar_calls import compile_failure, compile_message, no_compiler, pick_compiler
 from services.gateway.resume import RESUMABLE, client_usage, resumed_request
 from services.runtime.tracing import span_from
@@ -114,6 +115,12 @@ class GatewayHttp:
         except GatewayError as exc:
             log.info("request.rejected", status=exc.status_for(protocol), error=exc.message)
             return _error_response(protocol, exc)
+        if prepared.image_sources:
+            try:
+                prepared, hashes = await resolve_images(svc, prepared)
+            except GatewayError as exc:
+                log.info("request.rejected", status=exc.status_for(protocol), error=exc.message)
+                return _error_response(protocol, exc)
         prepared_at = time.time()
         if request_id in svc.pending:   # a client reused an id still in flight: keep both apart
             request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
@@ -125,7 +132,8 @@ class GatewayHttp:
         tracked = svc.open_request(request_id, span)
         response = prepared.open_response()
         first_request = prepared.generate_request(return_address=svc.config.advertise, arrival_time=started,
-                                                  block_hashes=hashes)
+                                                  block_hashes=hashes,
+                                                  vision_groups=vision_groups(svc) if prepared.images else [])
         grammar_call = None
         if compiler:   # compiled while the request is routed and its prefix loaded (grammar_calls.py)
             first_request.grammar = msgspec.structs.replace(first_request.grammar, compiler=compiler)
@@ -135,7 +143,7 @@ class GatewayHttp:
         outcome, http = "ok", None
         phases = {"prepare_ms": round((prepared_at - started) * 1e3, 3)}
         try:
-            svc.send(svc.config.upstream, first_request, request_id=request_id, span=span)
+            send_generate(svc, first_request, request_id, span)
             if grammar_call is not None:
                 failed = await self._grammar_failure(grammar_call, log)
                 grammar_call, phases["grammar_ms"] = None, round((time.time() - prepared_at) * 1e3, 3)
@@ -234,8 +242,10 @@ class GatewayHttp:
         attempt = resumed_request(first_request, generated, svc.model_id)
         if attempt.grammar is not None:   # the compiler named first may be the process that died
             attempt.grammar.compiler = pick_compiler(svc, attempt.grammar.key) or attempt.grammar.compiler
+        if attempt.images:   # so may a vision group
+            attempt.vision_groups = vision_groups(svc) or attempt.vision_groups
         try:
-            svc.send(svc.config.upstream, attempt, request_id=wire, span=tracked.span)
+            send_generate(svc, attempt, wire, tracked.span)
         except WireError as exc:
             log.warning("request.resume_failed", attempt=tracked.attempt, code=exc.code.name)
             return False

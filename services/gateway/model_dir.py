@@ -51,3 +51,16 @@ def context_length(model_dir: str) -> int:
     raw = read_config(model_dir)
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     return int(raw.get("max_position_embeddings") or text.get("max_position_embeddings") or 4096)
+
+
+def vision_sizing(model_dir: str):
+    """The image sizing rule (messages.images.VisionSizing) of a model with a vision encoder
+    (`vision_config.num_hidden_layers` > 0), else None: its requests with images are refused."""
+    from messages.images import VisionSizing
+    if not model_dir:
+        return None
+    raw = read_config(model_dir)
+    vision = raw.get("vision_config")
+    if encoding_of(raw) != "v4.1" or not isinstance(vision, dict) or not vision.get("num_hidden_layers", 32):
+        return None
+    return VisionSizing.from_config(raw)

@@ -44,7 +44,7 @@ def resumed_request(first: GenerateRequest, generated: list[int], model_id: str)
     prompt = list(first.prompt_ids) + list(generated)
     sampling = msgspec.structs.replace(first.sampling, max_tokens=left,
                                        step_offset=first.sampling.step_offset + len(generated))
-    hashes = block_hashes(model_id, prompt) if model_id else []
+    hashes = block_hashes(model_id, prompt, images=first.images) if model_id else []
     # A constrained request's matcher must stand where the client's output stands: it consumes the
     # streamed tokens first (thinking included: the constraint starts at its `</think>`).
     grammar = msgspec.structs.replace(first.grammar, replay=list(generated)) if first.grammar else None

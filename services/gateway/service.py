@@ -45,6 +45,12 @@ class GatewaySettings:
     resume_timeout_s: float = 30.0        # how long a resume waits for the upstream to come back
     grammar_timeout_s: float = 15.0       # a constraint's compile answer (the compiler's own hard limit is
                                           # 10 s by default): past this the request fails 503
+    # Images (a model with a vision encoder; services/gateway/vision/): every URL is fetched SSRF-safe.
+    image_max_bytes: int = 20 << 20       # one image, fetched or inline
+    image_fetch_timeout_s: float = 10.0   # one fetch, redirects included
+    image_max_pixels: int = 50_000_000    # checked from the header before decoding
+    max_images: int = 16                  # per request
+    image_allow_networks: tuple[str, ...] = ()   # CIDRs fetched although not public (an internal image store)
 
     def __post_init__(self) -> None:
         if self.encoding not in ("", "v4", "v4.1"):
@@ -73,6 +79,7 @@ class GatewayService(Service):
         self.adapter = None
         self.model_id = ""   # covered by every block hash; equal to the workers' engine model_id
         self.pool: ThreadPoolExecutor | None = None
+        self.images = None   # ImageResolver, when the served model has a vision encoder
         self.http_runner = None
         if not config.upstream:
             raise ValueError("the gateway needs an upstream (a unified worker or the prefill router)")
@@ -86,7 +93,8 @@ class GatewayService(Service):
     async def on_start(self) -> None:
         from services.gateway.adapter import Adapter, AdapterConfig, ServedModel
         from services.gateway.http_app import start_http
-        from services.gateway.model_dir import context_length, served_encoding
+        from services.gateway.model_dir import context_length, served_encoding, vision_sizing
+        from services.gateway.vision import ImageFetcher, ImageLimits, ImageResolver
         from services.gateway.worker_watch import watch_workers
         s = self.settings
         context = s.context_length or context_length(s.model_dir)
@@ -96,8 +104,15 @@ class GatewayService(Service):
         model = ServedModel(served, context_length=context, encoding=encoding,
                             tokenizer_path=tokenizer, max_output_tokens=s.max_output_tokens)
         loop = asyncio.get_running_loop()
+        sizing = vision_sizing(s.model_dir)
         self.adapter = await loop.run_in_executor(
-            None, Adapter, AdapterConfig(models=(model,), max_body_bytes=s.max_body_bytes))
+            None, Adapter, AdapterConfig(models=(model,), max_body_bytes=s.max_body_bytes,
+                                         accept_images=sizing is not None))
+        if sizing is not None:
+            limits = ImageLimits(max_bytes=s.image_max_bytes, total_timeout_s=s.image_fetch_timeout_s,
+                                 max_pixels=s.image_max_pixels, max_images=s.max_images,
+                                 allow_networks=tuple(s.image_allow_networks))
+            self.images = ImageResolver(ImageFetcher(limits), sizing)
         if s.model_dir:
             self.model_id = model_identity(s.model_dir, s.dtype or configured_dtype(s.model_dir))
         self.pool = ThreadPoolExecutor(s.tokenize_threads, thread_name_prefix="tokenize")
@@ -115,6 +130,8 @@ class GatewayService(Service):
             await self.http_runner.cleanup()   # the handlers write those errors, then end
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.images is not None:
+            await self.images.fetcher.close()
 
     # ---- requests and their chunks -------------------------------------------------------
     def open_request(self, request_id: str, span: SpanContext) -> OpenRequest:
@@ -172,6 +189,8 @@ class GatewayService(Service):
     def prepare(self, protocol, body: bytes):
         """Convert, render, encode (adapter), then the prompt's block hash chain. Runs in the pool."""
         prepared = self.adapter.prepare(protocol, body)
+        if prepared.image_sources:   # hashed once the images are resolved (image_calls.py)
+            return prepared, []
         hashes = block_hashes(self.model_id, prepared.prompt_ids) if self.model_id else []
         return prepared, hashes
 

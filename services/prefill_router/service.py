@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from messages import ErrorReply
 from messages.control import Load
@@ -60,6 +60,7 @@ class Job:
     sender: str
     received_at: float
     dispatched_at: float = 0.0
+    buffers: list = field(default_factory=list)   # the request's image bytes, forwarded as they came
 
 
 class PrefillRouterService(Service):
@@ -97,7 +98,8 @@ class PrefillRouterService(Service):
         if self.core.is_queued(rid) or self.core.holder(rid):
             raise InvalidRequest(f"request {rid} is already routed here", request_id=rid)
         probe = self._kv_probe(msg, rid)
-        item = self.core.submit(rid, len(msg.prompt_ids), probe, Job(msg, ctx.span, ctx.sender, time.time()))
+        item = self.core.submit(rid, len(msg.prompt_ids), probe, Job(msg, ctx.span, ctx.sender, time.time(),
+                                                                       buffers=[ctx.envelope.frame(i) for i in range(len(ctx.envelope.buffers))]))
         self.log.info("request.queued", request_id=rid, bucket=item.bucket, prompt_tokens=item.prompt_tokens,
                       kv_hit_tokens=probe)
         self._pump()
@@ -171,7 +173,7 @@ class PrefillRouterService(Service):
         decode_address = held.admitted.address if isinstance(held.admitted, Reservation) else ""
         try:
             self.send(held.address, PrefillWork(job.request, held.item.hit_tokens, decode_address),
-                      request_id=rid, span=job.span)
+                      request_id=rid, span=job.span, buffers=job.buffers)
         except WireError as exc:
             self.core.cancel(rid)
             self.decode.release(rid)

@@ -67,7 +67,8 @@ class DecodeWorker(StreamingWorker):
             if rid not in self.streams:   # aborted (or its gateway died) while the matcher was built
                 return StateAccepted(False, "aborted")
         engine_request = EngineRequest(rid, list(request.prompt_ids), request.sampling,
-                                       request.arrival_time or time.time(), grammar=grammar)
+                                       request.arrival_time or time.time(), grammar=grammar,
+                                       images=list(request.images))   # their digests name its blocks
         try:
             await self.engine(lambda engine: engine.restore(engine_request, msg.snapshot, buffers, generated))
         except ValueError as exc:

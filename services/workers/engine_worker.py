@@ -10,6 +10,7 @@ Settings (ServiceConfig.settings): every EngineConfig field (model_dir, dtype, n
   swa_ttl_s      TTL of the registrations (seeds: ~180 s)
   handoff_timeout_s, fetch_timeout_s   timeouts of StateHandoff and SwaFetch / KvReadPages calls
   grammar_timeout_s  how long a constrained request waits for its grammar from the compiler
+  vision_timeout_s   how long a request with images waits for their embeddings from one vision group
   capacity       requests this worker takes at once (0 = the engine's max_num_seqs)
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from services.runtime.service import Service
 from services.runtime.settings import flat_keys, parse_settings, require_positive
 from services.workers.engine_thread import EngineThread
 from services.workers.grammar import GrammarSource
+from services.workers.images import ImageRows
 from services.workers.persist import BlockPersister
 from services.workers.tensors import to_frame
 
@@ -45,10 +47,12 @@ class WorkerSettings:
     handoff_timeout_s: float = 30.0
     fetch_timeout_s: float = 5.0
     grammar_timeout_s: float = 15.0   # a constraint's artifact from its compiler (which gives up at 10 s)
+    vision_timeout_s: float = 30.0    # a request's image embeddings from one vision group (then one retry)
     capacity: int = 0
 
     def __post_init__(self) -> None:
-        require_positive(self, "swa_ttl_s", "handoff_timeout_s", "fetch_timeout_s", "grammar_timeout_s")
+        require_positive(self, "swa_ttl_s", "handoff_timeout_s", "fetch_timeout_s", "grammar_timeout_s",
+                         "vision_timeout_s")
         if self.capacity < 0:
             raise ValueError("capacity must be >= 0")
 
@@ -73,6 +77,7 @@ class EngineWorker(Service):
 
     def __init__(self, config):
         self.settings = parse_settings(WorkerSettings, config.settings, self.kind)
+        self.images = ImageRows(self, self.settings.vision_timeout_s)   # before Service.__init__ reads handlers()
         super().__init__(config)
         self.engine_thread: EngineThread | None = None
         self.engine_stats = None
@@ -86,7 +91,7 @@ class EngineWorker(Service):
     after_step = None   # a subclass's fn(engine, outputs), run on the engine thread after each step (EngineThread)
 
     def base_handlers(self):
-        return {SwaFetch: self._on_swa_fetch, ErrorReply: self._on_error_reply}
+        return {SwaFetch: self._on_swa_fetch, ErrorReply: self._on_error_reply, **self.images.handlers()}
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def on_start(self) -> None:

@@ -9,11 +9,11 @@ class HashChainCheck:
     def __init__(self) -> None:
         self.warned = False
 
-    def check(self, log, model_id: str, prompt_ids, block_hashes) -> bool:
+    def check(self, log, model_id: str, prompt_ids, block_hashes, images=()) -> bool:
         """True when the chain's first block hash is this worker's (or nothing to compare)."""
         if not block_hashes or len(prompt_ids) < BLOCK_TOKENS:
             return True
-        if block_hashes[0] == chain_of(model_id, list(prompt_ids[:BLOCK_TOKENS]))[0]:
+        if block_hashes[0] == chain_of(model_id, list(prompt_ids[:BLOCK_TOKENS]), images=images)[0]:
             return True
         if not self.warned:
             self.warned = True

@@ -34,12 +34,14 @@ from messages.generate import AbortRequest
 from messages.handoff import StateHandoff
 from messages.prefix import BLOCK_TOKENS, block_hashes
 from messages.routing import PrefillDone, PrefillWork
+from messages.vision import VisionEncoded, VisionFailed
 from services.runtime import liveness
 from services.runtime.context import Context
 from services.runtime.tracing import SpanContext
 from services.workers.chunks import chunk_from, logprob_fields
 from services.workers.engine_worker import EngineWorker
 from services.workers.hash_check import HashChainCheck
+from services.workers.images import first_computed
 from services.workers.prefix_load import PrefixLoader
 from services.workers.tensors import to_frame
 
@@ -66,7 +68,8 @@ class Job:
 
 class PrefillWorker(EngineWorker):
     kind = "prefill_worker"
-    streamed_types = (AbortRequest,)   # the PrefillWork's summary line is the request's one line here
+    streamed_types = (AbortRequest, VisionEncoded, VisionFailed)   # the PrefillWork's summary line is the request's one line here
+    continuation_types = (VisionEncoded, VisionFailed)   # a draining worker still finishes the prefills it holds
 
     def __init__(self, config):
         super().__init__(config)
@@ -104,7 +107,7 @@ class PrefillWorker(EngineWorker):
             raise InvalidRequest("PrefillWork has no decode_address (is a decode router configured?)", request_id=rid)
         if rid in self.jobs:
             raise InvalidRequest(f"request {rid} is already prefilling here", request_id=rid)
-        self.hash_check.check(self.log, self.model_id, request.prompt_ids, request.block_hashes)
+        self.hash_check.check(self.log, self.model_id, request.prompt_ids, request.block_hashes, request.images)
         prompt_len = len(request.prompt_ids)
         job = self.jobs[rid] = Job(rid, prompt_len - msg.kv_hit_tokens, ctx.span, msg.decode_address)
         started = time.time()
@@ -112,6 +115,8 @@ class PrefillWorker(EngineWorker):
         fetch = None   # a constrained request's grammar comes while its prefix loads (grammar.py)
         if request.grammar is not None:
             fetch = asyncio.ensure_future(self.grammars.fetch(request.grammar, rid, ctx.span))
+        images = self.images.images_of(request, ctx.envelope)   # their embeddings come meanwhile too
+        encoding = self.images.start(rid, images, request.vision_groups, first_computed(msg.kv_hit_tokens), ctx.span)
         try:
             usable = await self.prefix.load(request, msg.kv_hit_tokens, rid, ctx.span)
             job.uncached_tokens = prompt_len - max(usable, 0)
@@ -119,11 +124,17 @@ class PrefillWorker(EngineWorker):
             if fetch is not None:
                 grammar_text = await fetch
                 grammar = await self.grammars.state(request.grammar, grammar_text, rid)
+            image_rows = []
+            if images:
+                image_rows = await encoding if encoding is not None else [None] * len(images)
+                image_rows = await self.images.more(rid, images, image_rows, request.vision_groups,
+                                                    first_computed(max(usable, 0)), ctx.span)
             if job.aborted:
                 raise Aborted(f"aborted: {job.aborted}", request_id=rid)
             job.future = asyncio.get_running_loop().create_future()
             engine_request = EngineRequest(rid, list(request.prompt_ids), request.sampling,
-                                           request.arrival_time or time.time(), request.exact_prefix, grammar=grammar)
+                                           request.arrival_time or time.time(), request.exact_prefix, grammar=grammar,
+                                           images=list(request.images), image_embeds=image_rows)
             try:
                 await self.engine(lambda engine: engine.add_request(engine_request, prefill_only=True))
             except ValueError as exc:
@@ -148,6 +159,9 @@ class PrefillWorker(EngineWorker):
                           handoff_ms=round((time.time() - prefilled_at) * 1e3, 3))
             return PrefillDone(hit_tokens=hit, computed_tokens=prompt_len - hit)
         finally:
+            if encoding is not None and not encoding.done():
+                self.images.cancel(rid)
+                encoding.cancel()
             if fetch is not None:
                 fetch.cancel()
                 if fetch.done() and not fetch.cancelled():
@@ -169,7 +183,7 @@ class PrefillWorker(EngineWorker):
             return
         hashes = list(request.block_hashes)
         if len(hashes) != len(request.prompt_ids) // BLOCK_TOKENS:
-            hashes = block_hashes(self.model_id, list(request.prompt_ids))
+            hashes = block_hashes(self.model_id, list(request.prompt_ids), images=request.images)
         held = await self.engine(lambda engine: [h for h in hashes if h in engine.kv.boundaries])
         self.persister.advertise(held, rid, span)
 
@@ -229,6 +243,7 @@ class PrefillWorker(EngineWorker):
             return
         reason = msg.reason or "client"
         job.aborted = reason
+        self.images.cancel(job.request_id)   # a wait for its image embeddings ends now
         if job.handing_off:   # the state is on its way: the decode worker frees it when it lands
             self._abort_at_decode(job.decode_address, job.request_id, job.span, reason)
         elif job.future is not None and not job.future.done():

@@ -101,6 +101,7 @@ class StreamingWorker(EngineWorker):
     async def _on_abort(self, msg: AbortRequest, ctx: Context) -> None:
         if ctx.request_id in self.streams:
             self.close_stream(ctx.request_id, f"aborted:{msg.reason or 'client'}")
+            self.images.cancel(ctx.request_id)   # a wait for its image embeddings ends now
             await self.abort_in_engine(ctx.request_id)
 
     def on_peer_dead(self, peer: Peer) -> None:

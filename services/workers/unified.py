@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from messages.errors import InvalidRequest
+from messages.vision import VisionEncoded, VisionFailed
 from messages.generate import AbortRequest, GenerateRequest
 from services.runtime.context import Context
 from services.workers.hash_check import HashChainCheck
@@ -20,7 +21,8 @@ from services.workers.streams import Stream
 
 class UnifiedWorker(StreamingWorker):
     kind = "unified_worker"
-    streamed_types = (GenerateRequest, AbortRequest)   # the stream's own summary line covers them
+    streamed_types = (GenerateRequest, AbortRequest, VisionEncoded, VisionFailed)   # the stream's own summary line covers them
+    continuation_types = (VisionEncoded, VisionFailed)
 
     def __init__(self, config):
         super().__init__(config)
@@ -36,7 +38,7 @@ class UnifiedWorker(StreamingWorker):
             raise InvalidRequest("GenerateRequest needs a request id in the envelope")
         if not msg.return_address:
             raise InvalidRequest("GenerateRequest needs a return_address", request_id=request_id)
-        self.hash_check.check(self.log, self.model_id, msg.prompt_ids, msg.block_hashes)
+        self.hash_check.check(self.log, self.model_id, msg.prompt_ids, msg.block_hashes, msg.images)
         self.open_stream(Stream(request_id, msg.return_address, ctx.span, ctx.sender, "GenerateRequest", time.time(),
                                 len(msg.prompt_ids), msg.traffic_class))
         try:
@@ -46,8 +48,13 @@ class UnifiedWorker(StreamingWorker):
                 grammar = await self.grammars.state(msg.grammar, artifact, request_id)
                 if self.streams.get(request_id) is None:   # aborted while its grammar came
                     return
+            images, image_rows = self.images.images_of(msg, ctx.envelope), []
+            if images:   # every image: this engine's own prefix cache decides the hit only at admission
+                image_rows = await self.images.start(request_id, images, msg.vision_groups, 0, ctx.span)
+                if self.streams.get(request_id) is None:   # aborted while its images were encoded
+                    return
             request = EngineRequest(request_id, list(msg.prompt_ids), msg.sampling, msg.arrival_time or time.time(),
-                                    msg.exact_prefix, grammar=grammar)
+                                    msg.exact_prefix, grammar=grammar, images=list(msg.images), image_embeds=image_rows)
             await self.engine(lambda engine, req: engine.add_request(req), request)
         except ValueError as exc:
             self.close_stream(request_id, "refused")

@@ -278,8 +278,12 @@ def _e2m1(x: torch.Tensor) -> torch.Tensor:
     return torch.copysign(levels[nearest], x)
 
 
-def nemo_released_state_dict(model) -> dict[str, torch.Tensor]:
-    """Weights under the released checkpoint names, fp32 and unquantised (see `released_format`).
+VISION_PREFIXES = ("vision.", "aligner.", "image_")
+
+
+def nemo_released_state_dict(model, vision: bool = False) -> dict[str, torch.Tensor]:
+    """Weights under the released checkpoint names, fp32 and unquantised (see `released_format`);
+    the vision tower's (`vision.*`, `aligner.*`, `image_*`) only with `vision`.
 
     Names: `embed.weight`, `head.weight`, `norm.weight`; per layer `attn_norm`, `ffn_norm`,
     `hc_{attn,ffn}_{fn,base,scale}`, `attn.{wq_a,q_norm,wq_b,wkv,kv_norm,wo_a,wo_b}.weight`,
@@ -289,7 +293,8 @@ def nemo_released_state_dict(model) -> dict[str, torch.Tensor]:
     `ffn.shared_experts.w{1,2,3}.weight`, `engram.{embed,wkv}.weight` and `engram.{q,k}_weight`.
     """
     released = model.state_dict_adapter.to_hf(model.state_dict())
-    return {name: value.detach().to(torch.float32).contiguous().clone() for name, value in released.items()}
+    return {name: value.detach().to(torch.float32).contiguous().clone() for name, value in released.items()
+            if vision or not name.startswith(VISION_PREFIXES)}
 
 
 @torch.no_grad()

@@ -40,10 +40,13 @@ def test_a_port_in_time_wait_is_free_and_a_listening_one_is_taken():
 
 
 def test_stop_waves_go_from_the_edge_inwards():
+    # the services registered with the gateway (compiler, vision leader) are called by the workers
+    # in each request: they stop after the request path, the vision workers after their leader
     assert stop_waves(load_topology("default")) == [
-        ["gateway"], ["grammar_compiler", "prefill_router"], ["prefill_worker", "decode_router"], ["decode_worker"],
-        ["kv_writer", "swa_registry"]]
-    assert stop_waves(load_topology("unified")) == [["gateway"], ["unified_worker", "grammar_compiler"]]
+        ["gateway"], ["prefill_router"], ["prefill_worker", "decode_router"], ["decode_worker"],
+        ["kv_writer", "swa_registry"], ["grammar_compiler", "vision_balancer"], ["vision_worker"]]
+    assert stop_waves(load_topology("unified")) == [["gateway"], ["unified_worker"],
+                                                    ["grammar_compiler", "vision_balancer"], ["vision_worker"]]
     looped = parse_topology({"service": [
         {"name": "a", "kind": "echo", "settings": {"peer": "@b"}},
         {"name": "b", "kind": "echo", "settings": {"peer": "@a"}},

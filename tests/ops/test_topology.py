@@ -95,12 +95,14 @@ def test_an_unknown_peer_name_is_refused_naming_the_service_and_the_setting():
 def test_the_embedded_topologies_are_the_epd_form_and_the_unified_form():
     default = load_topology("default")
     assert [s.kind for s in default.services] == ["gateway", "grammar_compiler", "prefill_router", "prefill_worker",
-                                                  "decode_router", "decode_worker", "kv_writer", "swa_registry"]
+                                                  "decode_router", "decode_worker", "kv_writer", "swa_registry",
+                                                  "vision_balancer", "vision_worker"]
     assert load_topology("epd").services == default.services    # the E/P/D form's former name
-    assert [s.kind for s in load_topology("unified").services] == ["unified_worker", "gateway", "grammar_compiler"]
+    assert [s.kind for s in load_topology("unified").services] == ["unified_worker", "gateway", "grammar_compiler",
+                                                                   "vision_balancer", "vision_worker"]
     for name in ("default", "unified"):
         for spec, _, config in load_topology(name).instances():
             if "model_dir" in config.settings:   # the CPU defaults on the tiny model of `make model`
                 assert config.settings["model_dir"] == ".epd/models/deepseek-v41-tiny", spec.name
-                if spec.kind != "grammar_compiler":   # it reads the tokenizer only
+                if spec.kind not in ("grammar_compiler", "vision_balancer"):   # no engine dtype there
                     assert config.settings["dtype"] == "float32", spec.name

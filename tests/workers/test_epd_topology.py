@@ -41,7 +41,8 @@ def test_the_stack_is_wired_the_epd_way_and_every_setting_parses():
     upstreams = {s.name: s.upstream for s in topology.services}
     assert upstreams == {"gateway": "prefill_router", "grammar_compiler": "gateway", "prefill_router": "",
                          "prefill_worker": "prefill_router", "decode_router": "", "decode_worker": "decode_router",
-                         "kv_writer": "", "swa_registry": ""}
+                         "kv_writer": "", "swa_registry": "", "vision_balancer": "gateway",
+                         "vision_worker": "vision_balancer"}
     for spec, _, config in topology.instances():
         cls = resolve(spec.kind)   # every kind is in the catalog
         if spec.kind in ("prefill_worker", "decode_worker"):
@@ -57,17 +58,19 @@ def test_the_stack_is_wired_the_epd_way_and_every_setting_parses():
 
 def test_each_worker_pool_scales_on_its_own_and_every_replica_keeps_its_router_and_peers():
     data = tomllib.loads((resources.files("ops.topologies") / "default.toml").read_text())
-    pools = {"prefill_worker": 3, "decode_worker": 2, "grammar_compiler": 2}
+    pools = {"prefill_worker": 3, "decode_worker": 2, "grammar_compiler": 2, "vision_worker": 3}
     for raw in data["service"]:
         raw["replicas"] = pools.get(raw["name"], 1)
     topology = parse_topology(data, port_base=32000)
     instances = topology.instances()
-    assert len(instances) == 8 - 3 + 7
+    assert len(instances) == 10 - 4 + 10
     assert len({config.bind for _, _, config in instances}) == len(instances)   # every replica its own port
     address = {spec.name: config.bind for spec, replica, config in instances if replica == 0}
     for spec, _, config in instances:
         if spec.name == "grammar_compiler":   # registers with the gateway, which spreads constraints over them
             assert config.upstream == address["gateway"] and config.advertise == config.bind
+        elif spec.name == "vision_worker":   # registers with its group's leader, which spreads images over them
+            assert config.upstream == address["vision_balancer"] and config.advertise == config.bind
         elif spec.name in pools:   # registers with its router; reaches the one KV writer and SWA registry
             assert config.upstream == address[spec.upstream] and config.advertise == config.bind
             assert config.settings["kv_writer"] == address["kv_writer"]

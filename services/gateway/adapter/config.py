@@ -48,7 +48,8 @@ class ServedModel:
 class AdapterConfig:
     models: tuple[ServedModel, ...]
     default_thinking: bool = True     # thinking mode when the request does not say
-    accept_images: bool = False       # no vision workers yet: image inputs are refused (400)
+    accept_images: bool = False       # the served model has a vision encoder (config.json vision_config);
+                                      # without one image inputs are refused (400)
     max_body_bytes: int = 32 << 20    # larger bodies are refused (413)
 
     def __post_init__(self) -> None:

@@ -1,10 +1,11 @@
 """Images: where a request has one, and fetching them with an SSRF guard.
 
-deepseek-recipe's `ReqwestImageFetcher()` connects to any address a client's image URL names
-(loopback, the cluster network, cloud metadata at 169.254.169.254...). Every fetcher the gateway
-builds goes through `safe_image_fetcher`, whose destination filter admits only globally routable
-unicast addresses; it is applied by the library to every resolved address and every redirect.
-Until vision workers exist the adapter refuses image inputs in every API (AdapterConfig.accept_images,
+`is_public_address` is the address rule of every image fetch: only globally routable unicast
+addresses (IPv4-in-IPv6 forms unwrapped). The gateway's fetcher (services/gateway/vision/fetch.py)
+applies it to every resolved address and redirect. deepseek-recipe's `ReqwestImageFetcher()`
+connects to any address a client's URL names (loopback, the cluster network, cloud metadata at
+169.254.169.254...): `safe_image_fetcher` is its filtered form, for code that uses the library's.
+For a model without a vision encoder the adapter refuses image inputs (AdapterConfig.accept_images,
 unenforced.py); `first_image` finds them in the body, since the V4 encoding would silently turn
 each into the text "[Unsupported Image]".
 """
@@ -23,21 +24,28 @@ DOCUMENT_PARTS = frozenset({"file", "input_file", "document"})
 _NESTED = ("content", "output")   # a message's parts; tool results carry their own part lists
 
 
-def first_image(messages, path: str, part_types: frozenset[str] = IMAGE_PARTS) -> str | None:
-    """Where the first image part (or other `part_types`) in a message list is (`messages[0].content[1]`), or None.
+def part_paths(messages, path: str, part_types: frozenset[str] = IMAGE_PARTS) -> list[str]:
+    """Where every part of `part_types` in a message list is (`messages[0].content[1]`), in order.
     Only message content is walked, never tool schemas or tool-call arguments; iteratively, since
     a client may nest tool results deeply."""
-    todo = [(messages, path)]
+    found, todo = [], [(messages, path)]
     while todo:
         value, at = todo.pop()
         if isinstance(value, list):
             todo.extend((item, f"{at}[{i}]") for i, item in reversed(list(enumerate(value))))
         elif isinstance(value, dict):
             if value.get("type") in part_types:
-                return at
+                found.append(at)
+                continue
             todo.extend((value[key], f"{at}.{key}") for key in reversed(_NESTED)
                         if isinstance(value.get(key), list))
-    return None
+    return found
+
+
+def first_image(messages, path: str, part_types: frozenset[str] = IMAGE_PARTS) -> str | None:
+    """Where the first image part (or other `part_types`) in a message list is, or None."""
+    found = part_paths(messages, path, part_types)
+    return found[0] if found else None
 
 
 def is_public_address(address: str) -> bool:

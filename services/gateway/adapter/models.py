@@ -34,6 +34,7 @@ class ModelRuntime:
     table: TokenTable
     eos_id: int
     tokenizer_id: str = ""            # messages.grammar.tokenizer_id: grammar compiles are keyed by it
+    image_token_id: int = IMAGE_SPECIAL_TOKEN_ID   # each image placeholder encodes to it (V4.1's image_token_id)
 
 
 def load_models(config: AdapterConfig) -> dict[str, ModelRuntime]:

@@ -6,7 +6,7 @@ Every failure is a `GatewayError`, rendered by the caller with `error.body(proto
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 from deepseek_recipe import (
@@ -22,10 +22,11 @@ from services.gateway.adapter.constraints import constraint_of
 from services.gateway.adapter.errors import (
     GatewayError, Protocol, from_library_error, internal, invalid_request, request_too_large,
 )
-from services.gateway.adapter.models import ModelRuntime, load_models
+from services.gateway.adapter.models import V41_IMAGE_TOKEN, ModelRuntime, load_models
 from services.gateway.adapter.parsing import output_parsing_for
 from services.gateway.adapter.request_checks import RequestedSampling
 from services.gateway.adapter.response import ResponseAccumulator, ResponseSpec, ResponseStream
+from services.gateway.vision.sources import image_part_paths, sources_of
 
 _REQUEST_CLASS = {Protocol.CHAT: ChatCompletionRequest, Protocol.RESPONSES: ResponsesRequest,
                   Protocol.MESSAGES: MessagesRequest}
@@ -43,6 +44,10 @@ class PreparedRequest:
     stop_sequences: tuple[str, ...]
     grammar: GrammarRef | None        # the output constraint (constraints.py); the gateway names its compiler
     response: ResponseSpec
+    # Images still to resolve ((kind, value, path), services/gateway/vision, in placeholder order): the gateway
+    # fetches and sizes them, then `Adapter.with_images` writes their spans into prompt_ids.
+    image_sources: tuple = ()
+    images: tuple = ()                # messages.images.ImageInput, once resolved
 
     def open_stream(self, response_id: str | None = None) -> ResponseStream:
         return ResponseStream(self.response, response_id)
@@ -56,8 +61,10 @@ class PreparedRequest:
 
     def generate_request(self, **fields) -> GenerateRequest:
         """The worker message; pass block_hashes, return_address, traffic_class... as fields."""
-        return GenerateRequest(model=self.model, prompt_ids=self.prompt_ids,
-                               sampling=self.sampling, grammar=self.grammar, **fields)
+        if self.image_sources:
+            raise ValueError("resolve the request's images first (Adapter.with_images)")
+        return GenerateRequest(model=self.model, prompt_ids=self.prompt_ids, sampling=self.sampling,
+                               grammar=self.grammar, images=list(self.images), **fields)
 
 
 class Adapter:
@@ -85,8 +92,7 @@ class Adapter:
         runtime = self._models[model]
         if request_checks.normalise(protocol, payload):
             body = msgspec.json.encode(payload)
-        if not self.config.accept_images:
-            unenforced.refuse_images(protocol, payload)
+        unenforced.refuse_images(protocol, payload, self.config.accept_images)
         requested = request_checks.requested_sampling(payload)
         echo, namespace_tools = None, {}
         try:
@@ -115,8 +121,13 @@ class Adapter:
         if not conversation.messages:
             raise invalid_request("the request has no message to answer",
                                   param=_PROMPT_PARAM[protocol])
-        if not self.config.accept_images and any(m.image_sources for m in conversation.messages):
-            raise invalid_request("image inputs are not supported by this deployment",
+        image_sources = ()
+        if any(m.image_sources for m in conversation.messages):
+            key = _PROMPT_PARAM[protocol]
+            image_sources = tuple(sources_of(conversation, None if payload is None else
+                                             image_part_paths(payload.get(key), key)))
+        if image_sources and not self.config.accept_images:
+            raise invalid_request("image inputs are not supported: the served model has no vision encoder",
                                   param=_PROMPT_PARAM[protocol], code="unsupported_content")
         if payload is None:   # a hand-built request has no body to read its constraint from
             unenforced.refuse_converted(conversation, converted.inference_options.output_constraint)
@@ -145,7 +156,31 @@ class Adapter:
             stream=converted.stream, context_length=context,
             stop_sequences=parsing.stop_sequences,
             grammar=grammar,
-            response=spec)
+            response=spec, image_sources=image_sources)
+
+    def with_images(self, prepared: PreparedRequest, images) -> PreparedRequest:
+        """Write each resolved image's span over its placeholder (one image token each, in order) and
+        check the longer prompt against the context again. `images`: messages.images.ImageInput."""
+        runtime = self._models[prepared.model]
+        image_token = runtime.image_token_id
+        spots = [i for i, token in enumerate(prepared.prompt_ids) if token == image_token]
+        if len(spots) != len(images):
+            raise invalid_request(f"the prompt has {len(spots)} image placeholders for {len(images)} images: "
+                                  f"text may not contain the image token {V41_IMAGE_TOKEN!r}",
+                                  param=_PROMPT_PARAM[prepared.protocol], code="invalid_image_placeholder")
+        prompt, placed, last = [], [], 0
+        for spot, image in zip(spots, images):
+            prompt.extend(prepared.prompt_ids[last:spot])
+            placed.append(msgspec.structs.replace(image, start=len(prompt)))
+            prompt.extend([image_token] * image.grid.tokens)
+            last = spot + 1
+        prompt.extend(prepared.prompt_ids[last:])
+        converted = prepared.response.request
+        max_tokens = self._max_tokens(prepared.protocol, converted, len(prompt), prepared.context_length)
+        sampling = msgspec.structs.replace(prepared.sampling, max_tokens=min(prepared.sampling.max_tokens, max_tokens))
+        spec = replace(prepared.response, prompt_tokens=len(prompt))
+        return replace(prepared, prompt_ids=prompt, sampling=sampling, response=spec, image_sources=(),
+                       images=tuple(placed))
 
     @staticmethod
     def _max_tokens(protocol: Protocol, converted: ConversationRequest, prompt: int,

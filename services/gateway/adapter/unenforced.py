@@ -1,8 +1,9 @@
 """Requests whose promise this deployment cannot keep are refused (400), never half-served.
 
-Images need vision workers: until those exist, a request with one gets an invalid_request_error
-naming it, instead of an answer about an image the model never saw (the V4 encoding would replace it
-with the text "[Unsupported Image]"). Checked on the raw body.
+Images need a model with a vision encoder: for one without, a request with an image gets an
+invalid_request_error naming it, instead of an answer about an image the model never saw (the V4
+encoding would replace it with the text "[Unsupported Image]"). Files and documents are refused
+always (the encoding would turn each into "[Unsupported Document]"). Checked on the raw body.
 
 Output constraints are read from the raw body and enforced (constraints.py, the grammar compiler,
 the engine's token masks). A hand-built ConversationRequest has no body, and deepseek-recipe 0.2.0's
@@ -18,12 +19,12 @@ OPTIONAL_CONSTRAINT = "tool_call"   # the model may call a declared tool or answ
 _NO_GRAMMAR = "constraints are enforced only for requests sent as a body (the conversion loses some)"
 
 
-def refuse_images(protocol: Protocol, payload: dict) -> None:
+def refuse_images(protocol: Protocol, payload: dict, accept_images: bool = False) -> None:
     key = _PROMPT_KEY[protocol]
-    where = first_image(payload.get(key), key)
+    where = None if accept_images else first_image(payload.get(key), key)
     if where is not None:
-        raise invalid_request(f"image inputs are not supported: this deployment has no vision "
-                              f"workers yet (image at {where})", param=key, code="unsupported_content")
+        raise invalid_request(f"image inputs are not supported: the served model has no vision "
+                              f"encoder (image at {where})", param=key, code="unsupported_content")
     where = first_image(payload.get(key), key, DOCUMENT_PARTS)
     if where is not None:
         raise invalid_request(f"file and document inputs are not supported: this server reads text "

@@ -21,8 +21,10 @@ from engine.v41.checkpoint import (
     FP32,
     MXFP4,
     iter_v41_state_dict,
+    iter_vision_state_dict,
     load_v41_state_dict,
     released_tensor_specs,
+    vision_tensor_specs,
 )
 from engine.v41.config import V41Config, load_v41_config
 from engine.v41.random_init import random_rows, write_random_v41_model_dir, write_v41_model_dir_from_tensors
@@ -63,7 +65,7 @@ def stored_layout(model_dir) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 
 def expected_layout(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    specs = released_tensor_specs(config)
+    specs = {**released_tensor_specs(config), **vision_tensor_specs(config)}
     return {key: (shape, dtype) for name, spec in specs.items() for key, shape, dtype in spec.stored(name)}
 
 
@@ -114,7 +116,7 @@ def test_model_parameters_are_the_released_names(config):
 def test_directory_is_the_released_layout(model_dir, config):
     raw = json.loads((model_dir / "config.json").read_text())
     assert raw["model_type"] == "deepseek_v41" and raw["architectures"] == ["DeepseekV41ForCausalLM"]
-    assert raw["image_token_id"] == 129264 and raw["vision_config"]["num_hidden_layers"] == 0
+    assert raw["image_token_id"] == 129264 and raw["vision_config"]["num_hidden_layers"] == 2
     assert raw["quantization_config"]["weight_block_size"] == [32, 32]
     assert raw["text_config"]["model_type"] == "deepseek_v41_text" and raw["text_config"]["vocab_size"] == VOCAB
     assert load_v41_config(model_dir) == config
@@ -263,7 +265,8 @@ def test_reference_adapter_loads_our_files_and_decodes_them_as_we_do(model_dir):
     native = adapter.from_hf(load_file(str(model_dir / "model.safetensors")))
     nemo.load_state_dict(native, strict=True, assign=True)
     theirs = adapter.to_hf(nemo.state_dict())
-    ours = load_v41_state_dict(model_dir, dtype=torch.bfloat16)
+    ours = {**load_v41_state_dict(model_dir, dtype=torch.bfloat16),
+            **dict(iter_vision_state_dict(model_dir, dtype=torch.bfloat16))}
     assert set(theirs) == set(ours)
     for name, tensor in ours.items():
         assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
@@ -274,9 +277,9 @@ def test_reference_weights_written_in_the_released_format_load_back_exactly(tmp_
     """A NeMo model's weights (on the released grid) -> released files -> our loader: no value moves."""
     raw = random_init.released_config({}, config)
     nemo = nemo_helper.build_nemo_model(raw, seed=1)
-    weights = nemo_helper.nemo_released_state_dict(nemo)
+    weights = nemo_helper.nemo_released_state_dict(nemo, vision=True)
     out = write_v41_model_dir_from_tensors(raw, tmp_path / "from_nemo", weights)
-    ours = load_v41_state_dict(out, dtype=torch.float32)
+    ours = {**load_v41_state_dict(out, dtype=torch.float32), **dict(iter_vision_state_dict(out, dtype=torch.float32))}
     assert set(ours) == set(weights)
     for name, tensor in ours.items():
         assert torch.equal(tensor, weights[name]), name

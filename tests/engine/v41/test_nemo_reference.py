@@ -30,7 +30,12 @@ def test_config_parses_the_same_in_ours_and_nemo(name):
     ours, theirs = load_v41_config(name), DeepseekV41Config(**raw)
     text = theirs.text_config
     assert raw["model_type"] == "deepseek_v41" and theirs.image_token_id == ours.image_token_id == 129264
-    assert theirs.vision_config.num_hidden_layers == 0 and text.num_nextn_predict_layers == 0
+    vision = theirs.vision_config
+    assert (ours.vision.num_layers, ours.vision.hidden_size, ours.vision.num_heads, ours.vision.intermediate_size,
+            ours.vision.max_image_tokens, ours.vision.min_pixels) == (
+        vision.num_hidden_layers, vision.hidden_size, vision.num_attention_heads, vision.intermediate_size,
+        vision.max_image_tokens, vision.min_pixels)
+    assert vision.num_hidden_layers == (2 if name == "tiny-v41" else 0) and text.num_nextn_predict_layers == 0
     assert ours.vocab_size == text.vocab_size == 129280
     assert list(ours.compress_ratios) == text.compress_ratios[: text.num_hidden_layers]
     assert list(ours.kv_source_layer_ids) == text.kv_source_layer_ids
