@@ -49,6 +49,10 @@ class StateHandoff(Message):
     top_logprobs: list[list[TopLogprob]] = []   # one row per generated id when it asked for top logprobs
     grammar: str = ""                # the compiled constraint (request.grammar's artifact): the decode side
                                      # rebuilds the matcher from it and replays generated_ids, no compiler call
+    image_frames: list[int] = []     # per request image: the frame of its span rows [tokens, hidden], or -1.
+                                     # Rows travel for the images a recompute of the prompt's tail would
+                                     # need (a preemption on the decode side replays from the last cached
+                                     # block); empty when the request has no images
 
 
 @register(0x0402)

@@ -14,6 +14,7 @@ BENCH_MODULES = (
     "ops.bench.engine",    # bench engine: EngineCore vs transformers DeepseekV4 vs the memory floor
     "ops.bench.stack",     # bench stack: the E/P/D stack over HTTP vs the engine alone (TTFT, tokens/s)
     "ops.bench.grammar",   # bench grammar: llguidance vs xgrammar (compile, masks), engine steps with masks
+    "ops.bench.vision",    # bench vision: patch-aware vision balancing vs round robin and random (simulated, real)
 )
 
 

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 
 TTFT_FULL = {"requests": 60, "rounds": 3}
@@ -114,25 +112,8 @@ def _local_stack(topology: str, model_dir: Path, workdir: Path, compile_processe
 
 def with_compile_processes(text: str, processes: int) -> str:
     """The topology text with `processes = N` in every grammar compiler's settings (added or replaced)."""
-    blocks = re.split(r"(?m)^(?=\[\[service\]\])", text)
-    out = []
-    for block in blocks:
-        if re.search(r'(?m)^kind\s*=\s*"grammar_compiler"', block):
-            if re.search(r"(?m)^processes\s*=", block):
-                block = re.sub(r"(?m)^processes\s*=.*$", f"processes = {processes}", block)
-            elif re.search(r"(?m)^\[service\.settings\]", block):
-                block = re.sub(r"(?m)^\[service\.settings\]\s*$", f"[service.settings]\nprocesses = {processes}",
-                               block, count=1)
-            else:
-                block = block.rstrip("\n") + f"\n[service.settings]\nprocesses = {processes}\n"
-        out.append(block)
-    edited = "".join(out)
-    compilers = [s for s in tomllib.loads(edited).get("service", []) if s.get("kind") == "grammar_compiler"]
-    if not compilers:
-        raise ValueError("the topology has no grammar_compiler service")
-    if any(s.get("settings", {}).get("processes") != processes for s in compilers):
-        raise ValueError("could not set the grammar compiler's processes in the topology")
-    return edited
+    from ops.bench.topology_edit import with_service_settings
+    return with_service_settings(text, "grammar_compiler", {"processes": processes})
 
 
 def compile_processes(stack) -> int:

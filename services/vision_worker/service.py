@@ -60,6 +60,7 @@ class VisionWorkerService(Service):
         self.settings = parse_settings(VisionWorkerSettings, config.settings, self.kind)
         super().__init__(config)
         self.encoder = None
+        self.no_encoder = ""                 # why the model gave no encoder (images are then refused)
         self.queue = PatchQueue()
         self.counts = VisionCounts()
         self.batch_size = 0                  # images in the batch being encoded
@@ -94,6 +95,9 @@ class VisionWorkerService(Service):
     # ---- handlers ----------------------------------------------------------------------
     async def on_encode(self, msg: VisionEncode, ctx: Context) -> None:
         images = images_from(ctx.envelope)
+        if self.no_encoder:
+            raise InvalidRequest(f"{self.config.instance} cannot encode images: {self.no_encoder}",
+                                 request_id=ctx.request_id)
         if not ctx.request_id or not msg.reply_to or not images:
             raise InvalidRequest("VisionEncode needs a request id, a reply_to and at least one image",
                                  request_id=ctx.request_id)
@@ -189,7 +193,15 @@ class VisionWorkerService(Service):
     async def on_start(self) -> None:
         started = time.monotonic()
         loop = asyncio.get_running_loop()
-        self.encoder = await loop.run_in_executor(self._thread, self.load_encoder)
+        from engine.v41.vision import NoVisionEncoder   # torch only in this process, not where it is imported
+        try:
+            self.encoder = await loop.run_in_executor(self._thread, self.load_encoder)
+        except NoVisionEncoder as exc:
+            # A stack serving a model without vision (a V4 model on the default topology) still starts:
+            # its gateway refuses images, and this worker refuses any it is sent.
+            self.log.warning("vision_worker.no_encoder", model_dir=self.settings.model_dir, error=str(exc))
+            self.no_encoder = str(exc)
+            return
         warmup_s = await loop.run_in_executor(self._thread, warm_up, self.encoder) if self.settings.warmup else 0.0
         self._batcher = loop.create_task(self._run_batches())
         self._batcher.add_done_callback(self._batcher_ended)

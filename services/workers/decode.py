@@ -44,8 +44,12 @@ class DecodeWorker(StreamingWorker):
             raise InvalidRequest("StateHandoff: the request needs a return_address", request_id=rid)
         try:
             buffers = [torch_frame(ctx.envelope, i) for i in msg.buffer_frames]
+            image_rows = [torch_frame(ctx.envelope, i) if i >= 0 else None for i in msg.image_frames]
         except WireError as exc:
             raise InvalidRequest(f"StateHandoff buffers: {exc.message}", request_id=rid) from None
+        if image_rows and len(image_rows) != len(request.images):
+            raise InvalidRequest(f"StateHandoff: {len(image_rows)} image frames for {len(request.images)} images",
+                                 request_id=rid)
         generated = list(msg.generated_ids)
         if any(rows and len(rows) != len(generated) for rows in (msg.logprobs, msg.top_logprobs)):
             raise InvalidRequest(f"StateHandoff: {len(msg.logprobs)} logprobs and {len(msg.top_logprobs)} top "
@@ -68,7 +72,8 @@ class DecodeWorker(StreamingWorker):
                 return StateAccepted(False, "aborted")
         engine_request = EngineRequest(rid, list(request.prompt_ids), request.sampling,
                                        request.arrival_time or time.time(), grammar=grammar,
-                                       images=list(request.images))   # their digests name its blocks
+                                       images=list(request.images),   # their digests name its blocks
+                                       image_embeds=image_rows)       # for a recompute of the tail
         try:
             await self.engine(lambda engine: engine.restore(engine_request, msg.snapshot, buffers, generated))
         except ValueError as exc:

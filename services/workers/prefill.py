@@ -148,7 +148,7 @@ class PrefillWorker(EngineWorker):
                 self.send(request.return_address, self._last_chunk(out), request_id=rid, span=ctx.span)
             else:
                 job.handing_off = True
-                await self._hand_off(msg, rid, ctx.span, out, taken, grammar_text)
+                await self._hand_off(msg, rid, ctx.span, out, taken, grammar_text, image_rows)
                 added = False
             self.in_background(self._advertise_prompt_states(request, rid, ctx.span), "swa_advertise.failed",
                                level="warning")
@@ -187,19 +187,28 @@ class PrefillWorker(EngineWorker):
         held = await self.engine(lambda engine: [h for h in hashes if h in engine.kv.boundaries])
         self.persister.advertise(held, rid, span)
 
-    async def _hand_off(self, msg: PrefillWork, rid: str, span: SpanContext, out, taken, grammar: str) -> None:
+    async def _hand_off(self, msg: PrefillWork, rid: str, span: SpanContext, out, taken, grammar: str,
+                        image_rows: list) -> None:
         """`taken`: the snapshot `after_step` took right after the prompt's step (or the error it
-        raised); None only if the step's outputs came without one (then ask the engine now)."""
+        raised); None only if the step's outputs came without one (then ask the engine now).
+        `image_rows`: the rows the prefill had per image (None where it had none)."""
         if isinstance(taken, Exception):
             raise EngineFailed(f"snapshot for the hand-off failed: {taken!r}", request_id=rid)
         if taken is None:
             taken = await self.engine(lambda engine, r: engine.snapshot(r), rid)
         snapshot, buffers = taken
         logprobs, top_logprobs = logprob_fields(out)
+        frames = [to_frame(b) for b in buffers]
+        image_frames = []
+        for image, rows in zip(msg.request.images, image_rows):
+            keep = rows is not None and image.end > first_computed(len(msg.request.prompt_ids))
+            image_frames.append(len(frames) if keep else -1)
+            if keep:
+                frames.append(to_frame(rows))
         handoff = StateHandoff(msg.request, snapshot, list(range(len(buffers))), list(out.new_token_ids),
-                               logprobs, top_logprobs, grammar)
+                               logprobs, top_logprobs, grammar, image_frames)
         try:
-            reply = await self._call_while_alive(msg.decode_address, handoff, rid, span, [to_frame(b) for b in buffers])
+            reply = await self._call_while_alive(msg.decode_address, handoff, rid, span, frames)
         except BaseException as exc:
             if not isinstance(exc, RemoteError):   # no answer: it may still arrive there, so abort it there
                 self._abort_at_decode(msg.decode_address, rid, span, "handoff_failed")

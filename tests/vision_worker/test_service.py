@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from messages.errors import RemoteError
 from messages.images import ImageInput, VisionSizing, plan_image_grid
 from messages.vision import VisionEncode, image_frames
 from services.vision_balancer.service import VisionBalancerService
@@ -76,3 +77,16 @@ async def test_rows_are_the_v41_towers_own(services, tiny_v41_model_dir, dtype):
     for got, want, image in zip(rows, expected, images):
         assert got.dtype == getattr(torch, dtype) and got.shape == (image.grid.tokens, reference.hidden_size)
         assert torch.equal(got, want)
+
+
+async def test_a_model_without_vision_starts_and_refuses_images(services, tmp_path):
+    """A V4 model on the default topology: the stack still comes up; images sent here are refused."""
+    from engine.model.random_init import write_random_model_dir
+    model_dir = write_random_model_dir("tiny", tmp_path / "v4", seed=0, vocab_size=1024)
+    worker = await services.start(VisionWorkerService, "w", settings={"model_dir": str(model_dir)})
+    assert worker.encoder is None and "no vision encoder" in worker.no_encoder
+    receiver = await services.start(RowsReceiverForTests, "prefill")
+    bare, frames = image_frames([image_for_tests(8, 8)])
+    with pytest.raises(RemoteError, match="cannot encode images"):
+        await receiver.call(worker.config.advertise, VisionEncode(bare, receiver.config.advertise),
+                            request_id="r1", buffers=frames)

@@ -97,4 +97,5 @@ def test_only_the_workers_load_torch(epd_stack):
         with open(f"/proc/{service['pid']}/maps") as maps:
             loaded[service["kind"]] = "libtorch" in maps.read()
     assert loaded == {"gateway": False, "grammar_compiler": False, "prefill_router": False, "prefill_worker": True,
-                      "decode_router": False, "decode_worker": True, "kv_writer": False, "swa_registry": False}
+                      "decode_router": False, "decode_worker": True, "kv_writer": False, "swa_registry": False,
+                      "vision_balancer": False, "vision_worker": True}

@@ -9,6 +9,7 @@ Parameter names are the release's (`vision.*`, `aligner.*`, `image_start|newline
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,11 +25,24 @@ from engine.v41.vision.vit import VisionTransformer
 from messages.images import ImageGrid, ImageInput, VisionSizing
 
 
+class NoVisionEncoder(ValueError):
+    """The model has no vision tower: a V4 model, or a V4.1 one with vision_config.num_hidden_layers 0."""
+
+
+def has_vision_encoder(model_dir: str | Path) -> bool:
+    """Whether the model directory's config.json is a V4.1 model with a vision tower."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    if "deepseek_v41" not in (raw.get("model_type"), text.get("model_type", "").removesuffix("_text")):
+        return False
+    return load_v41_config(Path(model_dir)).vision.enabled
+
+
 class VisionEncoder(nn.Module):
     def __init__(self, config: V41Config):
         super().__init__()
         if not config.vision.enabled:
-            raise ValueError("this V4.1 config has no vision encoder (vision_config.num_hidden_layers is 0)")
+            raise NoVisionEncoder("this V4.1 config has no vision encoder (vision_config.num_hidden_layers is 0)")
         self.config = config.vision
         self.hidden_size = config.hidden_size
         self.sizing: VisionSizing = config.vision.sizing
@@ -41,7 +55,10 @@ class VisionEncoder(nn.Module):
     @classmethod
     def load(cls, model_dir: str | Path, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32) -> "VisionEncoder":
-        """The vision tower of a V4.1 model directory; norms stay float32, the rest is `dtype`."""
+        """The vision tower of a V4.1 model directory; norms stay float32, the rest is `dtype`.
+        NoVisionEncoder for a model without one."""
+        if not has_vision_encoder(model_dir):
+            raise NoVisionEncoder(f"{model_dir} has no vision encoder (not a DeepSeek V4.1 model with vision_config)")
         config = load_v41_config(Path(model_dir))
         with torch.device("meta"):
             encoder = cls(config)
