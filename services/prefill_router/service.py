@@ -98,8 +98,9 @@ class PrefillRouterService(Service):
         if self.core.is_queued(rid) or self.core.holder(rid):
             raise InvalidRequest(f"request {rid} is already routed here", request_id=rid)
         probe = self._kv_probe(msg, rid)
-        item = self.core.submit(rid, len(msg.prompt_ids), probe, Job(msg, ctx.span, ctx.sender, time.time(),
-                                                                       buffers=[ctx.envelope.frame(i) for i in range(len(ctx.envelope.buffers))]))
+        images = [ctx.envelope.frame(i) for i in range(len(ctx.envelope.buffers))]   # forwarded as they came
+        item = self.core.submit(rid, len(msg.prompt_ids), probe,
+                                Job(msg, ctx.span, ctx.sender, time.time(), buffers=images))
         self.log.info("request.queued", request_id=rid, bucket=item.bucket, prompt_tokens=item.prompt_tokens,
                       kv_hit_tokens=probe)
         self._pump()

@@ -68,7 +68,8 @@ class Job:
 
 class PrefillWorker(EngineWorker):
     kind = "prefill_worker"
-    streamed_types = (AbortRequest, VisionEncoded, VisionFailed)   # the PrefillWork's summary line is the request's one line here
+    # the PrefillWork's summary line is the request's one line here
+    streamed_types = (AbortRequest, VisionEncoded, VisionFailed)
     continuation_types = (VisionEncoded, VisionFailed)   # a draining worker still finishes the prefills it holds
 
     def __init__(self, config):

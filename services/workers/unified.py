@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 
 from messages.errors import InvalidRequest
-from messages.vision import VisionEncoded, VisionFailed
 from messages.generate import AbortRequest, GenerateRequest
+from messages.vision import VisionEncoded, VisionFailed
 from services.runtime.context import Context
 from services.workers.hash_check import HashChainCheck
 from services.workers.streaming import StreamingWorker
@@ -21,7 +21,8 @@ from services.workers.streams import Stream
 
 class UnifiedWorker(StreamingWorker):
     kind = "unified_worker"
-    streamed_types = (GenerateRequest, AbortRequest, VisionEncoded, VisionFailed)   # the stream's own summary line covers them
+    # the stream's own summary line covers them
+    streamed_types = (GenerateRequest, AbortRequest, VisionEncoded, VisionFailed)
     continuation_types = (VisionEncoded, VisionFailed)
 
     def __init__(self, config):
