@@ -115,12 +115,15 @@ class GatewayHttp:
         except GatewayError as exc:
             log.info("request.rejected", status=exc.status_for(protocol), error=exc.message)
             return _error_response(protocol, exc)
+        images_ms = None
         if prepared.image_sources:
+            images_started = time.time()
             try:
                 prepared, hashes = await resolve_images(svc, prepared)
             except GatewayError as exc:
                 log.info("request.rejected", status=exc.status_for(protocol), error=exc.message)
                 return _error_response(protocol, exc)
+            images_ms = round((time.time() - images_started) * 1e3, 3)
         prepared_at = time.time()
         if request_id in svc.pending:   # a client reused an id still in flight: keep both apart
             request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
@@ -142,6 +145,8 @@ class GatewayHttp:
                 timeout=svc.settings.grammar_timeout_s))
         outcome, http = "ok", None
         phases = {"prepare_ms": round((prepared_at - started) * 1e3, 3)}
+        if images_ms is not None:   # fetch, decode and sizing of the request's images (included in prepare_ms)
+            phases["images_ms"], phases["images"] = images_ms, len(prepared.images)
         try:
             send_generate(svc, first_request, request_id, span)
             if grammar_call is not None:
