@@ -108,8 +108,9 @@ def test_the_default_topology_is_scaled_to_two_prefill_and_two_decode_workers():
     text = scaled_topology_text((resources.files("ops.topologies") / "default.toml").read_text(), 2)
     topology = parse_topology(tomllib.loads(text))
     instances = [config.instance for _, _, config in topology.instances()]
-    assert [i for i in instances if "_worker" in i] == ["prefill_worker-0", "prefill_worker-1",
-                                                        "decode_worker-0", "decode_worker-1"]
+    assert [i for i in instances if i.startswith(("prefill_worker", "decode_worker"))] == [
+        "prefill_worker-0", "prefill_worker-1", "decode_worker-0", "decode_worker-1"]
+    assert "vision_worker-0" in instances and "vision_worker-1" not in instances   # the vision pool stays as it is
     assert {s.name for s in topology.services} >= {"gateway", "prefill_router", "decode_router", "kv_writer",
                                                    "swa_registry"}
 
