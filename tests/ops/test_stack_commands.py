@@ -80,9 +80,10 @@ def test_default_stack_up_status_down_leaves_no_process(epd, tiny_v41_model_dir)
     assert all(s["state"] == "running" for s in status["services"])
     peers = {s["kind"]: s["peers"] for s in status["services"]}   # the default is the E/P/D form
     assert set(peers) == {"gateway", "grammar_compiler", "prefill_router", "prefill_worker", "decode_router",
-                          "decode_worker", "kv_writer", "swa_registry"}
+                          "decode_worker", "kv_writer", "swa_registry", "vision_balancer", "vision_worker"}
     assert peers["prefill_router"] == "2/2" and peers["decode_router"] == "1/1"   # gateway + prefill worker; decode worker
-    assert peers["gateway"] == "1/1"   # the grammar compiler registers with the gateway
+    assert peers["gateway"] == "2/2"   # the grammar compiler and the vision balancer register with the gateway
+    assert peers["vision_balancer"] == "1/1"   # its vision worker
     body = {"model": "deepseek-v41-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
     request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
