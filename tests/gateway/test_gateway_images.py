@@ -186,3 +186,15 @@ async def test_no_live_vision_group_is_a_503(image_gateway):
     status, payload = await post(http, "/v1/chat/completions", chat(chat_image(data_url(SMALL))), "nogroup")
     assert status == 503 and payload["error"]["code"] == "vision_unavailable"
     assert upstream.requests == {}
+
+
+async def test_a_low_detail_image_is_refused_not_billed_at_full_size(image_gateway):
+    _, upstream, http, *_ = image_gateway
+    part = {"type": "image_url", "image_url": {"url": data_url(SMALL), "detail": "low"}}
+    status, payload = await post(http, "/v1/chat/completions", chat(part), "low")
+    assert status == 400 and payload["error"]["code"] == "unsupported_parameter", payload
+    assert "detail 'low'" in payload["error"]["message"] and payload["error"]["param"] == "messages[0].content[1]"
+    status, payload = await post(http, "/v1/responses", {**responses(data_url(SMALL)), "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(SMALL), "detail": "low"}]}]}, "low2")
+    assert status == 400, payload
+    assert upstream.requests == {}

@@ -126,6 +126,7 @@ class Adapter:
             key = _PROMPT_PARAM[protocol]
             image_sources = tuple(sources_of(conversation, None if payload is None else
                                              image_part_paths(payload.get(key), key)))
+            refuse_image_detail(conversation, image_sources)
         if image_sources and not self.config.accept_images:
             raise invalid_request("image inputs are not supported: the served model has no vision encoder",
                                   param=_PROMPT_PARAM[protocol], code="unsupported_content")
@@ -226,3 +227,17 @@ def _grammar_ref(runtime: ModelRuntime, constraint: dict | None, parsing) -> Gra
 
 def _or(value, default):
     return default if value is None else value
+
+
+SIZED_DETAILS = ("high", "auto")   # V4.1 sizes every image by one rule: what "high" (the default) asks
+
+
+def refuse_image_detail(conversation, sources) -> None:
+    """`detail: "low"` asks for a cheaper, coarser image; V4.1's rule has no such mode, so it is
+    refused rather than billed and encoded at full size."""
+    details = [source.detail for message in conversation.messages for source in message.image_sources]
+    for detail, (_, _, path) in zip(details, sources):
+        if detail not in SIZED_DETAILS:
+            raise invalid_request(f"image detail {detail!r} is not supported: every image is sized by the "
+                                  f"model's own rule, as 'high'; omit detail or send 'auto' or 'high' ({path})",
+                                  param=path or None, code="unsupported_parameter")

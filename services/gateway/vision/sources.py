@@ -9,7 +9,7 @@ What deepseek-recipe 0.2.0 gives (`message.image_sources`, every message, in req
 - kind "bytes" (`.data`) only for hand-built sources; conversion never makes one.
 - `.path` is coarse and spelled per API: chat `.messages[1]` (no part index), Responses `input[0]`,
   Anthropic `messages.0.content[1]`. `image_part_paths` finds the exact part in the body instead;
-  `detail` is ignored (V4.1's grid rule decides the size).
+  `detail` other than high/auto is refused by the adapter (prepare.py: V4.1's rule has no low mode).
 """
 from __future__ import annotations
 
