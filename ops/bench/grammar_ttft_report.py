@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ops.bench.grammar_ttft_load import LoadWindow
 from ops.bench.grammar_ttft_plain import PlainOutcome
 from ops.bench.stack import pick
-from ops.bench.table import print_table
+from ops.bench.table import ms, print_table, ratio, times
 
 SIDES = ("baseline", "loaded")
 P99_TARGET = 1.05             # loaded p99 TTFT / baseline p99 TTFT must stay below this
@@ -35,12 +35,12 @@ def window_order(rounds: int) -> list[tuple[int, str]]:
 def summarize(windows: list[Window]) -> dict:
     sides = {side: _side([w for w in windows if w.side == side]) for side in SIDES}
     base, loaded = sides["baseline"], sides["loaded"]
-    ratios = {q: _ratio(loaded[f"ttft_ms_{q}"], base[f"ttft_ms_{q}"]) for q in ("p50", "p90", "p99")}
+    ratios = {q: ratio(loaded[f"ttft_ms_{q}"], base[f"ttft_ms_{q}"]) for q in ("p50", "p90", "p99")}
     by_request = {(o.round, o.index): o.ttft_s for w in windows if w.side == "baseline" for o in w.outcomes}
     added = [o.ttft_s - by_request[o.round, o.index] for w in windows if w.side == "loaded" for o in w.outcomes
              if (o.round, o.index) in by_request]
     return {"baseline": base, "loaded": loaded, "ratio": ratios,
-            "added_ttft_ms_p50": _ms(pick(added, 0.5)) if added else None,
+            "added_ttft_ms_p50": ms(pick(added, 0.5)) if added else None,
             "p99_target": P99_TARGET,
             "verdict": "ok" if ratios["p99"] is not None and ratios["p99"] < P99_TARGET else "MISS",
             "per_window": [window_row(w, windows) for w in windows]}
@@ -57,17 +57,17 @@ def _side(windows: list[Window]) -> dict:
         for code, count in load.errors.items():
             errors[code] = errors.get(code, 0) + count
     return {"requests": len(outcomes), "windows": len(windows),
-            "ttft_ms_p50": _ms(pick(ttft, 0.5)) if ttft else None,
-            "ttft_ms_p90": _ms(pick(ttft, 0.9)) if ttft else None,
-            "ttft_ms_p99": _ms(pick(ttft, 0.99)) if ttft else None,
-            "ttft_ms_max": _ms(max(ttft)) if ttft else None,
+            "ttft_ms_p50": ms(pick(ttft, 0.5)) if ttft else None,
+            "ttft_ms_p90": ms(pick(ttft, 0.9)) if ttft else None,
+            "ttft_ms_p99": ms(pick(ttft, 0.99)) if ttft else None,
+            "ttft_ms_max": ms(max(ttft)) if ttft else None,
             "without_text": sum(not o.has_text for o in outcomes),
             "cached_tokens": sum(o.cached_tokens for o in outcomes),
-            "late_ms_max": _ms(max((o.late_s for o in outcomes), default=0.0)),
+            "late_ms_max": ms(max((o.late_s for o in outcomes), default=0.0)),
             "wall_s": round(sum(w.wall_s for w in windows), 3),
             "compiles_sent": sum(load.sent for load in loads),
             "compiles_done": len(latencies),
-            "compile_ms_p50": _ms(pick(latencies, 0.5)) if latencies else None,
+            "compile_ms_p50": ms(pick(latencies, 0.5)) if latencies else None,
             "compile_service_ms_p50": round(pick(service, 0.5), 2) if service else None,
             "compiles_cached": sum(load.cached for load in loads), "compile_errors": errors}
 
@@ -76,13 +76,13 @@ def window_row(window: Window, windows: list[Window]) -> dict:
     ttft = [o.ttft_s for o in window.outcomes]
     other = next((w for w in windows if w.round == window.round and w.side != window.side), None)
     row = {"round": window.round, "side": window.side, "requests": len(ttft), "wall_s": round(window.wall_s, 3),
-           "ttft_ms_p50": _ms(pick(ttft, 0.5)) if ttft else None,
-           "ttft_ms_max": _ms(max(ttft)) if ttft else None,
+           "ttft_ms_p50": ms(pick(ttft, 0.5)) if ttft else None,
+           "ttft_ms_max": ms(max(ttft)) if ttft else None,
            "compiles_done": window.load.done if window.load else 0,
-           "compile_ms_p50": _ms(pick(window.load.latencies_s, 0.5)) if window.load and window.load.done else None,
+           "compile_ms_p50": ms(pick(window.load.latencies_s, 0.5)) if window.load and window.load.done else None,
            "requests_detail": [o.row() for o in window.outcomes]}
     if window.side == "loaded" and other is not None and other.outcomes and ttft:
-        row["p50_vs_baseline"] = _ratio(pick(ttft, 0.5), pick([o.ttft_s for o in other.outcomes], 0.5))
+        row["p50_vs_baseline"] = ratio(pick(ttft, 0.5), pick([o.ttft_s for o in other.outcomes], 0.5))
     if window.load is not None:
         row["load"] = window.load.row()
     return row
@@ -92,17 +92,17 @@ def report(results: dict, header: str) -> None:
     print_table(["round", "side", "requests", "wall s", "TTFT p50 ms", "TTFT max ms", "p50 vs baseline",
                  "compiles done", "compile p50 ms"],
                 [[w["round"] + 1, w["side"], w["requests"], w["wall_s"], w["ttft_ms_p50"], w["ttft_ms_max"],
-                  _x(w.get("p50_vs_baseline")), w["compiles_done"] if w["side"] == "loaded" else "",
+                  times(w.get("p50_vs_baseline")), w["compiles_done"] if w["side"] == "loaded" else "",
                   w["compile_ms_p50"]] for w in results["per_window"]],
                 title=f"\n{header}\nwindows, in the order they ran:")
-    ratio = results["ratio"]
+    vs = results["ratio"]
     rows = []
     for side in SIDES:
         s = results[side]
         mine = side == "loaded"
         rows.append([side, s["requests"], s["ttft_ms_p50"], s["ttft_ms_p90"], s["ttft_ms_p99"],
-                     _x(ratio["p50"]) if mine else "", _x(ratio["p90"]) if mine else "",
-                     _x(ratio["p99"]) if mine else "", s["compiles_done"] if mine else "",
+                     times(vs["p50"]) if mine else "", times(vs["p90"]) if mine else "",
+                     times(vs["p99"]) if mine else "", s["compiles_done"] if mine else "",
                      s["compile_ms_p50"] if mine else "", _status(s)])
     print_table(["side", "requests", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "p50 vs base", "p90 vs base",
                  "p99 vs base", "compiles done", "compile p50 ms", "notes"], rows,
@@ -123,13 +123,4 @@ def _status(side: dict) -> str:
     return "; ".join(notes)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else round(a / b, 3)
 
-
-def _x(ratio: float | None) -> str:
-    return "" if ratio is None else f"{ratio:.2f}x"
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1e3, 2)

@@ -59,6 +59,20 @@ def write_json(path: str, bench: str, results: dict[str, Any]) -> dict[str, Any]
     return doc
 
 
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b rounded, or None when either is missing (or b is 0)."""
+    return None if a is None or not b else round(a / b, 3)
+
+
+def times(value: float | None) -> str:
+    """A ratio as a table cell: "1.23x", or empty."""
+    return "" if value is None else f"{value:.2f}x"
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1e3, 2)
+
 def _cell(value: Any) -> str:
     if value is None:
         return ""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ops.bench.grammar_ttft_plain import PlainOutcome
 from ops.bench.stack import pick
-from ops.bench.table import print_table
+from ops.bench.table import ms, print_table, ratio, times
 
 
 @dataclass(slots=True)
@@ -27,7 +27,7 @@ def summarize(windows: list[Window], logs: dict, retries: dict[str, int], polici
     per_policy = {p: _policy([w for w in windows if w.policy == p], logs[p], retries.get(p, 0)) for p in policies}
     reference = per_policy[policies[0]]
     for result in per_policy.values():
-        result["vs_reference"] = {key: _ratio(result[key], reference[key])
+        result["vs_reference"] = {key: ratio(result[key], reference[key])
                                   for key in ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "vision_ms_p99")}
     return {"per_policy": per_policy, "per_window": [_window_row(w, logs[w.policy]) for w in windows]}
 
@@ -41,7 +41,7 @@ def _policy(windows: list[Window], logs, retries: int) -> dict:
     shares = logs.patch_shares(ids)
     mean_share = sum(shares.values()) / len(shares) if shares else 0
     return {"requests": len(outcomes), "windows": len(windows), "wall_s": round(sum(w.wall_s for w in windows), 3),
-            **_percentiles("ttft_ms", ttft), "ttft_ms_max": _ms(max(ttft)) if ttft else None,
+            **_percentiles("ttft_ms", ttft), "ttft_ms_max": ms(max(ttft)) if ttft else None,
             "vision_requests": len(vision), **_percentiles("vision_ms", vision),
             "batch_encode_ms_p50": round(pick(encode, 0.5), 3) if encode else None,
             "batch_encode_ms_p99": round(pick(encode, 0.99), 3) if encode else None, "batches": len(encode),
@@ -50,7 +50,7 @@ def _policy(windows: list[Window], logs, retries: int) -> dict:
             "without_text": sum(not o.has_text for o in outcomes),
             "cached_tokens": sum(o.cached_tokens for o in outcomes),
             "prompt_tokens": sum(o.prompt_tokens for o in outcomes),
-            "late_ms_max": _ms(max((o.late_s for o in outcomes), default=0.0)),
+            "late_ms_max": ms(max((o.late_s for o in outcomes), default=0.0)),
             "vision_retries": retries, "unmatched_worker_logs": sorted(set(logs.unmatched))}
 
 
@@ -58,14 +58,14 @@ def _window_row(window: Window, logs) -> dict:
     ttft = [o.ttft_s for o in window.outcomes]
     vision = list(logs.vision_s(window.request_ids()).values())
     return {"round": window.round, "policy": window.policy, "requests": len(ttft), "wall_s": round(window.wall_s, 3),
-            "ttft_ms_p50": _ms(pick(ttft, 0.5)) if ttft else None, "ttft_ms_max": _ms(max(ttft)) if ttft else None,
-            "vision_ms_p50": _ms(pick(vision, 0.5)) if vision else None,
-            "vision_ms_max": _ms(max(vision)) if vision else None,
+            "ttft_ms_p50": ms(pick(ttft, 0.5)) if ttft else None, "ttft_ms_max": ms(max(ttft)) if ttft else None,
+            "vision_ms_p50": ms(pick(vision, 0.5)) if vision else None,
+            "vision_ms_max": ms(max(vision)) if vision else None,
             "requests_detail": [o.row() for o in window.outcomes]}
 
 
 def _percentiles(name: str, seconds: list[float]) -> dict:
-    return {f"{name}_p{q}": _ms(pick(seconds, q / 100)) if seconds else None for q in (50, 90, 99)}
+    return {f"{name}_p{q}": ms(pick(seconds, q / 100)) if seconds else None for q in (50, 90, 99)}
 
 
 def header(results: dict) -> str:
@@ -95,10 +95,10 @@ def report(results: dict) -> None:
     reference = results["policies"][0]
     rows = []
     for policy, r in results["per_policy"].items():
-        ratio = r["vs_reference"]
+        vs = r["vs_reference"]
         rows.append([policy, r["requests"], r["ttft_ms_p50"], r["ttft_ms_p90"], r["ttft_ms_p99"],
-                     _x(ratio["ttft_ms_p50"]), _x(ratio["ttft_ms_p99"]), r["vision_ms_p50"], r["vision_ms_p99"],
-                     _x(ratio["vision_ms_p99"]), r["batch_encode_ms_p50"], _x(r["busiest_over_mean"]), _notes(r)])
+                     times(vs["ttft_ms_p50"]), times(vs["ttft_ms_p99"]), r["vision_ms_p50"], r["vision_ms_p99"],
+                     times(vs["vision_ms_p99"]), r["batch_encode_ms_p50"], times(r["busiest_over_mean"]), _notes(r)])
     print_table(["policy", "requests", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", f"p50 / {reference}",
                  f"p99 / {reference}", "vision p50 ms", "vision p99 ms", f"vision p99 / {reference}",
                  "batch encode p50 ms", "busiest / mean patches", "notes"], rows,
@@ -121,13 +121,4 @@ def _notes(r: dict) -> str:
     return "; ".join(notes)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else round(a / b, 3)
 
-
-def _x(ratio: float | None) -> str:
-    return "" if ratio is None else f"{ratio:.2f}x"
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1e3, 2)
