@@ -5,8 +5,9 @@ balancers, GenerateRequest.vision_groups) at random (seed 000), calls it with Vi
 (reply_to: this worker) and collects one VisionEncoded per image, sent here straight by the vision
 workers: a list of [grid.tokens, hidden] tensors in image order, views of the received frames.
 An attempt that is refused, reports a worker-side outage, or runs past `timeout_s` is cancelled
-and tried once more on another group (the same one when there is only one), for the images still
-missing. A bad image (or any other failure) raises VisionError with the pool's ErrorCode at once.
+and tried again on the next group (the same one when there is only one), for the images still
+missing, until 2 x `timeout_s` have passed; when every group refused at once (its workers are
+restarting) the next round waits a backoff first. A bad image (or any other failure) raises VisionError with the pool's ErrorCode at once.
 `cancel(request_id)` (the request was aborted) tells the leaders and ends the wait.
 
 The worker merges `client.handlers()` into its own, and should list VisionEncoded and VisionFailed
@@ -31,6 +32,7 @@ from services.workers.tensors import torch_frame
 
 # failures of one group that another group may not share: worth the one retry
 RETRYABLE = frozenset({ErrorCode.OVERLOADED, ErrorCode.DRAINING, ErrorCode.PEER_DEAD, ErrorCode.TIMEOUT})
+RETRY_BACKOFF_S, MAX_BACKOFF_S = 0.25, 2.0   # after every group refused at once (a worker restarting)
 
 
 class VisionError(WireError):
@@ -109,19 +111,27 @@ class VisionClient:
 
     # ---- attempts ----------------------------------------------------------------------
     def _leaders(self, groups: list[str]) -> list[str]:
-        """The group to try first (at random), then another for the one retry."""
-        first = self.rng.choice(groups)
-        others = [g for g in groups if g != first]
-        return [first, self.rng.choice(others) if others else first]
+        """The groups in the order they are tried: a random one first (seed 000), then the others in
+        random order; attempts cycle through them."""
+        order = list(groups)
+        self.rng.shuffle(order)
+        return order
 
     async def _attempts(self, request_id: str, pending: _Pending, leaders: list[str],
                         span: SpanContext | None) -> list[torch.Tensor]:
-        error: VisionError | None = None
-        for attempt, leader in enumerate(leaders):
+        """Attempts until one encodes every image, a failure no other attempt can mend, or the deadline
+        (2 x timeout_s). A group that refuses at once (no worker running: one restarting after a crash)
+        is asked again after a backoff, so a restart costs the request time, not an error."""
+        loop = asyncio.get_running_loop()
+        deadline, backoff = loop.time() + 2 * self.timeout_s, RETRY_BACKOFF_S
+        attempt = 0
+        while True:
+            leader = leaders[attempt % len(leaders)]
             pending.attempt = attempt
+            started = loop.time()
             try:
                 await self._submit(leader, request_id, pending, span)
-                async with asyncio.timeout(self.timeout_s):
+                async with asyncio.timeout(max(0.0, min(self.timeout_s, deadline - loop.time()))):
                     await pending.finished.wait()
             except TimeoutError:
                 error = VisionError(ErrorCode.TIMEOUT, f"{len(pending.missing)} image(s) not encoded within "
@@ -132,13 +142,18 @@ class VisionClient:
                 if pending.error is None:
                     return pending.rows
                 error = pending.error
-            if error.code not in RETRYABLE:
+            quick = loop.time() - started < backoff
+            if error.code not in RETRYABLE or loop.time() + (backoff if quick else 0) >= deadline:
                 break
             self._cancel_at(request_id, [leader])
             self.service.log.warning("vision.retry", request_id=request_id, leader=leader, code=error.code.name,
-                                     error=error.message[:200], missing=len(pending.missing))
+                                     error=error.message[:200], missing=len(pending.missing), attempt=attempt)
             pending.error = None
             pending.finished.clear()
+            attempt += 1
+            if quick and attempt % len(leaders) == 0:   # every group refused at once: give them time
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
         self._cancel_at(request_id, pending.leaders)
         raise error
 

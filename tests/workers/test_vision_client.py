@@ -15,8 +15,8 @@ from messages.vision import VisionFailed
 from services.workers.vision_client import VisionClient, VisionError
 from tests.helpers.test_helper_async import eventually
 from tests.helpers.test_helper_services import InProcessServices
-from tests.helpers.test_helper_vision import (VisionClientHostForTests, VisionPoolForTests, expected_rows,
-                                              image_for_tests)
+from tests.helpers.test_helper_vision import (VisionClientHostForTests, VisionPoolForTests, VisionWorkerForTests,
+                                              expected_rows, image_for_tests)
 
 
 class FirstGroupForTests(random.Random):
@@ -24,6 +24,9 @@ class FirstGroupForTests(random.Random):
 
     def choice(self, seq):
         return seq[0]
+
+    def shuffle(self, seq):
+        pass   # the groups stay in the order listed
 
 
 @pytest.fixture
@@ -47,12 +50,12 @@ async def two_groups(services, pools, first_workers: int):
     return client, first, second
 
 
-def test_the_first_group_is_random_and_the_retry_takes_another():
+def test_the_first_group_is_random_and_the_retries_take_the_others():
     client = VisionClient(service=None, rng=random.Random(0))
     groups = ["a", "b", "c"]
     picks = [client._leaders(groups) for _ in range(200)]
-    assert {first for first, _ in picks} == set(groups) and all(first != again for first, again in picks)
-    assert client._leaders(["only"]) == ["only", "only"]
+    assert {order[0] for order in picks} == set(groups) and all(sorted(order) == groups for order in picks)
+    assert client._leaders(["only"]) == ["only"]
     with pytest.raises(ValueError):
         VisionClient(service=None, timeout_s=0)
 
@@ -103,3 +106,18 @@ async def test_a_failure_of_the_current_attempt_is_raised_at_once(services):
         await client.vision.encode("r1", [image_for_tests(8, 8), bad], [first.address, second.address])
     assert failed.value.code == ErrorCode.INVALID_REQUEST and failed.value.index == 1
     assert second.workers[0].counts.batches == 0   # not retried: another group would refuse it too
+
+
+
+async def test_a_group_whose_only_worker_restarts_is_asked_again_until_it_is_back(services):
+    """Every group refuses at once (no worker running, as while one restarts after a crash): the
+    client backs off and asks again within its deadline instead of failing the request."""
+    client, first, _ = await two_groups(*services, first_workers=0)
+    image = image_for_tests(8, 8)
+    task = asyncio.create_task(client.vision.encode("r1", [image], [first.address]))
+    await eventually(lambda: first.leader.metrics._in.get("VisionEncode", 0) >= 2, what="refused and asked again")
+    assert not task.done()
+    worker = await services[0].start(VisionWorkerForTests, "g1-late", upstream=first.address,
+                                     settings={"model_dir": "unused", "warmup": False})
+    (rows,) = await task
+    assert torch.equal(rows, expected_rows(image)) and worker.counts.images == 1
