@@ -28,6 +28,8 @@ class GenerateRequest(Message):
                                            # resumed attempt, which must continue exactly (gateway/resume.py)
     vision_groups: list[str] = []          # live vision balancers (group leaders): the prefill side picks one
                                            # at random to encode `images` (seed 000)
+    avoid_workers: list[str] = []          # addresses of workers that died under an earlier attempt of this
+                                           # request (gateway/resume.py): not chosen again until they heartbeat
 
 
 @register(0x0202)

@@ -228,8 +228,10 @@ class Supervisor:
                 continue
             code = child.proc.returncode
             child.failures_in_row = 0 if now - child.started_at >= STABLE_AFTER_S else child.failures_in_row + 1
+            # a service that ran stably and then died is restarted at once (its streams wait on it);
+            # one that keeps failing backs off
             delay = RESTART_BACKOFF_S[min(child.failures_in_row - 1, len(RESTART_BACKOFF_S) - 1)] \
-                if child.failures_in_row else RESTART_BACKOFF_S[0]
+                if child.failures_in_row else 0.0
             child.proc, child.next_start = None, now + delay
             child.restarts += 1
             child.state, child.exit_code, child.exit_reason = "restarting", code, exit_reason(code, child.log_tail())

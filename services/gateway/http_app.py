@@ -241,12 +241,15 @@ class GatewayHttp:
                 await asyncio.wait_for(upstream.ready.wait(), svc.settings.resume_timeout_s)
             except asyncio.TimeoutError:
                 return False
+        if cause.code == "worker_died" and tracked.worker and tracked.worker not in tracked.dead_workers:
+            tracked.dead_workers.append(tracked.worker)   # the router's view may still hold it for seconds
         wire = svc.next_attempt(tracked)
         log.warning("request.resumed", attempt=tracked.attempt, wire_id=wire, cause=cause.code,
                     error=cause.message, tokens_streamed=len(generated))
         attempt = resumed_request(first_request, generated, svc.model_id)
         if attempt.grammar is not None:   # the compiler named first may be the process that died
             attempt.grammar.compiler = pick_compiler(svc, attempt.grammar.key) or attempt.grammar.compiler
+        attempt.avoid_workers = list(tracked.dead_workers)
         if attempt.images:   # so may a vision group
             attempt.vision_groups = vision_groups(svc) or attempt.vision_groups
         try:

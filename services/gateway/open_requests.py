@@ -63,6 +63,7 @@ class OpenRequest:
     token_ids: list[int] = field(default_factory=list)   # every token the client has received
     streamed_before: int = 0      # of those, the ones received before the current attempt began
     stats: ChunkStats = field(default_factory=ChunkStats)
+    dead_workers: list[str] = field(default_factory=list)   # workers that died streaming it (resumes avoid them)
 
     def __post_init__(self) -> None:
         self.wire_id = self.wire_id or self.request_id

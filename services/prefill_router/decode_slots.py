@@ -100,6 +100,12 @@ class DecodeSlots:
         """A hand-off to `instance` found it dead: choose others until it heartbeats again."""
         self._suspect[instance] = self.clock() if now is None else now
 
+    def suspect_address(self, address: str, now: float | None = None) -> None:
+        """The worker at `address` died under a request (the gateway saw it): as `suspect`."""
+        for candidate in self._candidates:
+            if candidate.address == address:
+                self.suspect(candidate.instance, now)
+
     def release(self, request_id: str) -> None:
         """The request will not reach its decode worker (failed, aborted): free its slot now."""
         self._held.pop(request_id, None)

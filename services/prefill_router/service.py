@@ -97,6 +97,8 @@ class PrefillRouterService(Service):
                                  request_id=rid)
         if self.core.is_queued(rid) or self.core.holder(rid):
             raise InvalidRequest(f"request {rid} is already routed here", request_id=rid)
+        for address in msg.avoid_workers:   # a resumed request: its decode worker died (the decode router
+            self.decode.suspect_address(address)   # may list it for up to dead_after_s yet)
         probe = self._kv_probe(msg, rid)
         images = [ctx.envelope.frame(i) for i in range(len(ctx.envelope.buffers))]   # forwarded as they came
         item = self.core.submit(rid, len(msg.prompt_ids), probe,

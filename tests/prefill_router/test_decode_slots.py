@@ -173,3 +173,16 @@ def test_when_every_worker_is_suspect_nothing_is_reserved(slots, clock):
     slots.update(table(peer("a")))
     slots.suspect("a")
     assert slots.reserve("r1") is None                         # the request waits in the queue instead
+
+
+def test_a_worker_the_gateway_saw_die_is_skipped_by_its_address(slots, clock):
+    """A resumed request names the decode worker that died under it (GenerateRequest.avoid_workers):
+    the decode router may list it as alive for seconds yet, so it is suspect until it heartbeats."""
+    slots.update(table(peer("a"), peer("b", kv=0.5)))
+    clock.now = 101.0
+    slots.suspect_address(peer("a").address)
+    slots.update(table(peer("a", age=0.5), peer("b", kv=0.5)))
+    assert slots.reserve("r1").instance == "b"
+    slots.suspect_address("tcp://nowhere:1")   # not in the table: nothing to skip
+    slots.release("r1")
+    assert slots.reserve("r2").instance == "b"
