@@ -11,7 +11,9 @@ COMMAND_MODULES = (
     "ops.stack_commands",    # up, down, status, health
     "ops.trace_command",     # trace
     "ops.tap",               # tap
+    "ops.keys_command",      # keys
     "ops.compose",           # compose
+    "ops.kube",              # kube
     "ops.bench",             # bench ...
     "ops.model_commands",    # model init
     "ops.replay_command",    # replay-check

@@ -15,6 +15,10 @@ The run directory holds one log file per instance (JSON lines) and state.json, w
 and `epd down` read. Children run in process groups of their own (a Ctrl-C in the terminal reaches
 the supervisor only, which stops them in order) and get PR_SET_PDEATHSIG, so they die with the
 supervisor even if it is killed outright.
+
+With `keys_dir` (`epd up --keys DIR`) every service runs with CURVE (ServiceConfig.keys_dir), the
+supervisor's probes are CURVE clients, and state.json names each service's keys dir, where
+`epd status` finds it.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from messages.control import ServiceState
 from ops.control_client import query_status
 from ops.topology import Topology
 from services.runtime.config import ServiceConfig
+from services.runtime.curve import load_keys
 
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 STABLE_AFTER_S = 60.0          # a child running this long resets its back-off
@@ -160,12 +165,18 @@ class Supervisor:
     run_dir: Path
     children: list[Child] = field(default_factory=list)
     status: str = "starting"
+    keys_dir: str = ""          # CURVE keys for every service (and the probes); "" = as the topology says
     _stopping: bool = False
 
     def __post_init__(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for spec, _, config in self.topology.instances():
+            if self.keys_dir:
+                config.keys_dir = self.keys_dir
             self.children.append(Child(spec.name, config, self.run_dir / "logs" / f"{config.instance}.log"))
+        # keys dir -> its keys, for the probes; a bad dir fails here (KeysError naming the file)
+        # rather than as a crash loop of every service
+        self._keys = {d: load_keys(d) for d in {c.config.keys_dir for c in self.children} if d}
 
     # ---- start -------------------------------------------------------------------------
     def check_ports(self) -> list[str]:
@@ -181,7 +192,10 @@ class Supervisor:
         return taken
 
     def spawn(self, child: Child) -> None:
-        env = {**os.environ, **child.config.to_env(), "PYTHONUNBUFFERED": "1"}
+        pinned = self.topology.instance_env(child.config.instance)   # a GPU-pinned replica sees its GPU alone
+        env = {**os.environ, **child.config.to_env(), **pinned, "PYTHONUNBUFFERED": "1"}
+        if pinned:   # which GPU each instance got, in supervisor.log
+            self.event("service.gpu", instance=child.config.instance, gpu=pinned["CUDA_VISIBLE_DEVICES"])
         log = open(child.log_path, "ab")
         try:
             child.log_offset = log.seek(0, os.SEEK_END)
@@ -204,7 +218,7 @@ class Supervisor:
                 for instance, child in list(pending.items()):
                     if not child.running():
                         continue
-                    status = query_status(child.config.advertise, 0.5, ctx)
+                    status = query_status(child.config.advertise, 0.5, ctx, self._keys.get(child.config.keys_dir))
                     if (status and status.state == ServiceState.RUNNING
                             and (not child.config.upstream or status.upstream_connected)):
                         del pending[instance]
@@ -308,7 +322,8 @@ class Supervisor:
             "services": [{"name": c.name, "instance": c.config.instance, "kind": c.config.kind,
                           "address": c.config.advertise, "metrics": c.config.metrics_bind, "pid": c.pid,
                           "state": c.state, "restarts": c.restarts, "exit_code": c.exit_code,
-                          "exit_reason": c.exit_reason, "log": str(c.log_path)} for c in self.children],
+                          "exit_reason": c.exit_reason, "log": str(c.log_path),
+                          "keys_dir": c.config.keys_dir} for c in self.children],
         }
         tmp = self.run_dir / "state.json.tmp"
         tmp.write_text(json.dumps(state, indent=1))

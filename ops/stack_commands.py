@@ -55,12 +55,29 @@ def cmd_up(args) -> int:
     except (ValueError, OSError) as exc:
         print(f"epd up: {exc}", file=sys.stderr)
         return 2
+    keys_dir = _up_keys_dir(args)
+    if keys_dir is None:
+        return 2
     run_dir = Path(args.run_dir) if args.run_dir else run_root() / (time.strftime("%Y%m%d-%H%M%S-") + str(os.getpid()))
     if args.detach:
-        return _up_detached(args, run_dir)
+        return _up_detached(args, run_dir, keys_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _point_current_at(run_dir)
-    return Supervisor(topology, run_dir).run(on_ready=_print_ready)
+    return Supervisor(topology, run_dir, keys_dir=keys_dir).run(on_ready=_print_ready)
+
+
+def _up_keys_dir(args) -> str | None:
+    """The stack's CURVE keys dir as an absolute path ("" = plaintext), from --keys or EPD_KEYS_DIR
+    (so a stack and the tools of the same shell agree); None after saying why it is unusable."""
+    from services.runtime.curve import KEYS_ENV, KeysError, load_keys
+    keys = args.keys if args.keys is not None else os.environ.get(KEYS_ENV, "")
+    if not keys:
+        return ""
+    try:
+        return load_keys(Path(keys).resolve()).directory
+    except KeysError as exc:
+        print(f"epd up: {exc}", file=sys.stderr)
+        return None
 
 
 def _point_current_at(run_dir: Path) -> None:
@@ -86,12 +103,14 @@ def _print_ready(supervisor) -> None:
               f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
     else:
         print("API: none yet (this topology has no gateway service)")
+    if supervisor.keys_dir:
+        print(f"links: CURVE, keys {supervisor.keys_dir} (tools: export EPD_KEYS_DIR={supervisor.keys_dir})")
     print(f"logs: {supervisor.run_dir}/logs   status: epd status   stop: Ctrl-C or epd down", flush=True)
 
 
-def _up_detached(args, run_dir: Path) -> int:
+def _up_detached(args, run_dir: Path, keys_dir: str) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "ops.cli", "up", "--run-dir", str(run_dir)]
+    argv = [sys.executable, "-m", "ops.cli", "up", "--run-dir", str(run_dir), "--keys", keys_dir]
     if args.topology:
         argv += ["--topology", args.topology]
     if args.model:
@@ -156,14 +175,25 @@ def cmd_status(args) -> int:
 
     from messages.control import ServiceState
     from ops.control_client import query_status
+    from services.runtime.curve import KEYS_ENV, KeysError, load_keys
     run_dir = current_run_dir(args.run_dir)
     try:
         state = read_state(run_dir)
     except FileNotFoundError as exc:
         print(f"epd status: {exc}", file=sys.stderr)
         return 1
+    # CURVE keys: --keys for all; else each service's keys dir as the supervisor wrote it ("" =
+    # plaintext); else (a state.json from before keys) EPD_KEYS_DIR
+    dirs = {s["instance"]: args.keys if args.keys is not None else s.get("keys_dir", os.environ.get(KEYS_ENV, ""))
+            for s in state["services"]}
+    try:
+        keys = {d: load_keys(d, server=False) for d in set(dirs.values()) if d}
+    except KeysError as exc:
+        print(f"epd status: {exc}", file=sys.stderr)
+        return 2
     ctx = zmq.Context()
-    replies = {s["instance"]: query_status(s["address"], args.timeout_s, ctx) for s in state["services"]}
+    replies = {s["instance"]: query_status(s["address"], args.timeout_s, ctx, keys.get(dirs[s["instance"]]))
+               for s in state["services"]}
     ctx.term()
     heard = {}   # instance -> age of its last heartbeat as seen by the service it registered with
     for reply in replies.values():
@@ -210,14 +240,21 @@ def _not_answering(svc: dict) -> str:
 # ---- health ------------------------------------------------------------------------------
 def cmd_health(args) -> int:
     from messages.control import ServiceState
-    from ops.control_client import query_status
+    from ops.control_client import query_status, why_no_answer
+    from services.runtime.curve import KeysError, keys_from_env
     address = args.address or os.environ.get("EPD_ADVERTISE") or os.environ.get("EPD_BIND", "")
     if not address:
         print("epd health: give --address (or set EPD_ADVERTISE)", file=sys.stderr)
         return 2
-    status = query_status(address.replace("0.0.0.0", "127.0.0.1"), args.timeout_s)
+    try:   # a service's own EPD_KEYS_DIR (a container's health check) or --keys
+        keys = keys_from_env(explicit=args.keys)
+    except KeysError as exc:
+        print(f"epd health: {exc}", file=sys.stderr)
+        return 2
+    address = address.replace("0.0.0.0", "127.0.0.1")
+    status = query_status(address, args.timeout_s, keys=keys)
     if status is None:
-        print(f"{address}: no answer", file=sys.stderr)
+        print(f"{address}: {why_no_answer(address, args.timeout_s, keys)}", file=sys.stderr)
         return 1
     print(f"{status.instance}: {ServiceState(status.state).name.lower()}")
     return 0 if status.state == ServiceState.RUNNING else 1
@@ -234,6 +271,8 @@ def register(subparsers) -> None:
     up.add_argument("--run-dir", help="where logs and state go (default .epd/runs/<time>)")
     up.add_argument("--detach", action="store_true", help="return once ready; stop later with `epd down`")
     up.add_argument("--wait-s", type=float, default=120.0, help="with --detach: how long to wait for ready")
+    up.add_argument("--keys", metavar="DIR", help="CURVE keys (`epd keys`) for every service: encrypted, "
+                                                  "authenticated links (default $EPD_KEYS_DIR; unset: plaintext)")
     up.set_defaults(func=cmd_up)
 
     down = subparsers.add_parser("down", help="drain and stop the running stack")
@@ -246,9 +285,13 @@ def register(subparsers) -> None:
     status.add_argument("--run-dir")
     status.add_argument("--json", action="store_true")
     status.add_argument("--timeout-s", type=float, default=1.0)
+    status.add_argument("--keys", metavar="DIR", help="CURVE client keys for every service (default: each one's "
+                                                      "keys dir as state.json names it, else $EPD_KEYS_DIR)")
     status.set_defaults(func=cmd_status)
 
     health = subparsers.add_parser("health", help="exit 0 when the service at ADDRESS is running")
     health.add_argument("--address")
     health.add_argument("--timeout-s", type=float, default=2.0)
+    health.add_argument("--keys", metavar="DIR",
+                        help="CURVE client keys of the service's stack (default $EPD_KEYS_DIR)")
     health.set_defaults(func=cmd_health)

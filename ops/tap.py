@@ -4,7 +4,9 @@ The tap binds a ROUTER and decodes what it receives with the plain `msgpack` pac
 service codec, so it shows malformed input too (as hex, with the reason) instead of rejecting
 it. With `--forward`, it is a man-in-the-middle: each client identity gets its own DEALER to
 UPSTREAM, requests are relayed there and replies relayed back, and both directions are printed.
-Point a service's upstream (or a client) at the tap to watch a link.
+Point a service's upstream (or a client) at the tap to watch a link. On a CURVE stack (`--keys DIR`
+or EPD_KEYS_DIR) the tap serves and relays with the stack's keys, so it sees the plaintext: it
+needs the server secret key, like any service of the stack.
 
 `describe_frames` is a pure function (frames -> lines); `Tap` is the asyncio shell.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import sys
 import time
 from typing import TextIO
@@ -19,6 +22,9 @@ from typing import TextIO
 import msgpack
 import zmq
 import zmq.asyncio
+
+from services.runtime.curve import (KEYS_ENV, CurveKeys, KeysError, connect_curve, load_keys, serve_curve,
+                                   start_authenticator, stop_authenticator)
 
 HEADER_FIELDS = ("version", "msg_id", "request_id", "traceparent", "sender", "sent_at", "tensors", "body",
                  "in_reply_to")
@@ -170,8 +176,9 @@ class Tap:
     `count` > 0 stops after that many frame sets (requests and replies both count)."""
 
     def __init__(self, address: str, *, forward: str = "", count: int = 0, out: TextIO | None = None,
-                 detail: bool = True):
+                 detail: bool = True, keys: CurveKeys | None = None):
         self.address = address
+        self.keys = keys
         self.forward = forward
         self.count = count
         self.out = out or sys.stdout
@@ -184,6 +191,7 @@ class Tap:
         self._readers: list[asyncio.Task] = []
         self._done: asyncio.Event | None = None
         self._types: dict | None = None
+        self._authenticator = None
 
     def open(self) -> str:
         """Bind (synchronously, so clients may connect at once); returns the bound endpoint."""
@@ -196,10 +204,16 @@ class Tap:
                               (zmq.ROUTER_MANDATORY, 1)):
             self._router.setsockopt(option, value)
         try:
+            if self.keys is not None:
+                self._authenticator = start_authenticator(self._ctx, self.keys)
+                serve_curve(self._router, self.keys)
             self._router.bind(self.address)
         except zmq.ZMQError as exc:
             self.close()
             raise TapError(f"cannot bind {self.address}: {exc}") from None
+        except KeysError as exc:   # keys without the server secret: a tap serves, so it needs it
+            self.close()
+            raise TapError(str(exc)) from None
         self.bound = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         return self.bound
 
@@ -224,6 +238,9 @@ class Tap:
                 sock.close()
         self._dealers.clear()
         self._router = None
+        if self._authenticator is not None:   # its thread uses sockets of the context: stop it before term()
+            stop_authenticator(self._authenticator)
+            self._authenticator = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -252,6 +269,8 @@ class Tap:
             dealer = self._dealers[identity] = self._ctx.socket(zmq.DEALER)
             for option, value in ((zmq.SNDHWM, HWM), (zmq.RCVHWM, HWM), (zmq.LINGER, CLOSE_LINGER_MS)):
                 dealer.setsockopt(option, value)
+            if self.keys is not None:
+                connect_curve(dealer, self.keys)
             dealer.connect(self.forward)
             self._readers.append(asyncio.get_running_loop().create_task(self._read_upstream(identity, dealer)))
         return self._send(dealer, frames, self.forward)
@@ -283,20 +302,27 @@ class Tap:
 
 
 async def tap(address: str, *, forward: str = "", count: int = 0, out: TextIO | None = None,
-              detail: bool = True) -> int:
+              detail: bool = True, keys: CurveKeys | None = None) -> int:
     """Run a tap in this event loop; returns the number of frame sets seen."""
-    return await Tap(address, forward=forward, count=count, out=out, detail=detail).run()
+    return await Tap(address, forward=forward, count=count, out=out, detail=detail, keys=keys).run()
 
 
 async def _serve(args) -> int:
-    instance = Tap(args.address, forward=args.forward or "", count=args.count, detail=not args.brief)
+    keys_dir = args.keys if args.keys is not None else os.environ.get(KEYS_ENV, "")
+    try:
+        keys = load_keys(keys_dir) if keys_dir else None
+    except KeysError as exc:
+        print(f"epd tap: {exc}", file=sys.stderr)
+        return 2
+    instance = Tap(args.address, forward=args.forward or "", count=args.count, detail=not args.brief, keys=keys)
     try:
         bound = instance.open()
     except TapError as exc:
         print(f"epd tap: {exc}", file=sys.stderr)
         return 2
     relay = f", relaying to {args.forward}" if args.forward else ""
-    print(f"tap listening on {bound}{relay}", flush=True)
+    curve = f" (CURVE, keys {keys.directory})" if keys else ""
+    print(f"tap listening on {bound}{relay}{curve}", flush=True)
     await instance.run()
     return 0
 
@@ -317,4 +343,6 @@ def register(subparsers) -> None:
     parser.add_argument("--forward", metavar="UPSTREAM", help="relay to this service and print its replies too")
     parser.add_argument("--count", type=int, default=0, metavar="N", help="stop after N frame sets (0: run forever)")
     parser.add_argument("--brief", action="store_true", help="one line per frame set, no detail lines")
+    parser.add_argument("--keys", metavar="DIR",
+                        help="the stack's CURVE keys (default $EPD_KEYS_DIR; unset: plaintext)")
     parser.set_defaults(func=run)

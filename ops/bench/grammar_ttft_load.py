@@ -9,7 +9,8 @@ properties at its parser's row limit (fast, ~0.1 s: an error, not a heavy compil
 
 CompileLoad runs on a thread of its own with a plain DEALER per replica speaking our envelope, so
 the HTTP client's event loop that times the plain requests never handles a compile reply. A new
-request goes to the replica with the fewest in flight as soon as one is answered.
+request goes to the replica with the fewest in flight as soon as one is answered. Against a CURVE
+stack (EPD_KEYS_DIR set) the DEALERs are CURVE clients with the stack's client keys.
 """
 from __future__ import annotations
 
@@ -104,12 +105,16 @@ class CompileLoad:
         from messages import Codec
         from messages.errors import ErrorReply
         from messages.grammar import GrammarCompiled
+        from services.runtime.curve import connect_curve, keys_from_env
+        keys = keys_from_env()
         ctx = zmq.Context()
         codec = Codec(sender="bench-grammar-load")
         sockets = []
         for address in self.addresses:
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if keys is not None:
+                connect_curve(sock, keys)
             sock.connect(address)
             sockets.append(sock)
         poller = zmq.Poller()

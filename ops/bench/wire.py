@@ -14,8 +14,13 @@ of requests outstanding (64 small, 8 large), for three clients:
         uvloop, replies taken by a Link listener (no Service.call: no per-call future, timeout,
         metrics or dispatch). It shows what the runtime's wire layer costs without the shell.
 
-The last table gives the runtime/raw ratios against the targets (<= 1.5x small, <= 1.1x 1 MiB):
+The ratio table gives the runtime/raw ratios against the targets (<= 1.5x small, <= 1.1x 1 MiB):
 latency x = runtime p50 / raw p50, overhead x = raw msg/s / runtime msg/s.
+
+`--curve` measures every cell twice in the same run, CURVE off and on (keys made for the run with
+`epd keys`' writer; both servers and all three clients encrypt, and the servers run ZAP as a
+service's inbox does), and adds a table of CURVE's cost: on/off latency and off/on throughput,
+baseline = the same cell with CURVE off.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ class Size:
 
 SIZES = (Size("64B", 64, 0, 64, 1.5), Size("1MiB", 0, 1 << 20, 8, 1.1))
 TRANSPORTS = ("tcp", "ipc")
+CURVE_OFF, CURVE_ON = "off", "on"
 
 
 def register(subparsers) -> None:
@@ -55,6 +61,8 @@ def register(subparsers) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write every number to FILE")
     parser.add_argument("--transport", choices=TRANSPORTS, action="append",
                         help="measure only this transport (repeatable; default both)")
+    parser.add_argument("--curve", action="store_true",
+                        help="measure every cell with CURVE off and on, and compare (baseline = off)")
     parser.set_defaults(func=run)
 
 
@@ -64,22 +72,35 @@ def run(args: argparse.Namespace) -> int:
         print("epd bench wire: --seconds must be > 0", file=sys.stderr)
         return 2
     configure_logging("warning")
-    rows = measure(tuple(args.transport or TRANSPORTS), args.seconds)
+    curve_modes = (CURVE_OFF, CURVE_ON) if args.curve else (CURVE_OFF,)
+    rows = measure(tuple(args.transport or TRANSPORTS), args.seconds, curve_modes)
     ratios = compare(rows)
-    print_table(["transport", "size", "client", "p50 us", "p99 us", "msg/s", "window"],
-                [[r["transport"], r["size"], CLIENT_LABELS[r["client"]], r["p50_us"], r["p99_us"],
-                  r["msgs_per_s"], r["window"]] for r in rows],
+    curve_col = ["curve"] if args.curve else []
+    print_table(["transport", "size", "client", *curve_col, "p50 us", "p99 us", "msg/s", "window"],
+                [[r["transport"], r["size"], CLIENT_LABELS[r["client"]], *([r["curve"]] if args.curve else []),
+                  r["p50_us"], r["p99_us"], r["msgs_per_s"], r["window"]] for r in rows],
                 title=f"\nepd bench wire: {args.seconds:g} s per measurement; baseline = {RAW_LABEL}: a plain "
                       "blocking DEALER->ROUTER echo loop sending the runtime's own frames")
-    print_table(["transport", "size", "runtime client", "latency x", "overhead x", "target", "verdict"],
-                [[r["transport"], r["size"], CLIENT_LABELS[r["client"]], f"{r['latency_ratio']:.2f}x",
-                  f"{r['overhead']:.2f}x", f"<= {r['target']}x", _verdict(r)] for r in ratios],
-                title="\nruntime / raw  (latency x = p50 ratio, overhead x = raw msg/s / runtime msg/s)")
+    print_table(["transport", "size", "runtime client", *curve_col, "latency x", "overhead x", "target", "verdict"],
+                [[r["transport"], r["size"], CLIENT_LABELS[r["client"]], *([r["curve"]] if args.curve else []),
+                  f"{r['latency_ratio']:.2f}x", f"{r['overhead']:.2f}x", f"<= {r['target']}x", _verdict(r)]
+                 for r in ratios],
+                title="\nruntime / raw  (latency x = p50 ratio, overhead x = raw msg/s / runtime msg/s; "
+                      "raw and runtime with the same CURVE setting)")
+    curve_costs = compare_curve(rows)
+    if args.curve:
+        print_table(["transport", "size", "client", "p50 off us", "p50 on us", "latency x",
+                     "msg/s off", "msg/s on", "throughput x"],
+                    [[c["transport"], c["size"], CLIENT_LABELS[c["client"]], c["p50_off_us"], c["p50_on_us"],
+                      f"{c['latency_ratio']:.2f}x", c["msgs_per_s_off"], c["msgs_per_s_on"],
+                      f"{c['throughput_ratio']:.2f}x"] for c in curve_costs],
+                    title="\nCURVE on / off, same run  (latency x = p50 on / p50 off, "
+                          "throughput x = msg/s off / msg/s on; baseline = CURVE off)")
     if args.json:
         write_json(args.json, "wire", {
             "seconds_per_measurement": args.seconds, "baseline": RAW_LABEL,
-            "clients": CLIENT_LABELS, "sizes": [s.__dict__ for s in SIZES],
-            "results": rows, "ratios": ratios})
+            "clients": CLIENT_LABELS, "sizes": [s.__dict__ for s in SIZES], "curve_modes": list(curve_modes),
+            "results": rows, "ratios": ratios, "curve_costs": curve_costs})
     return 0
 
 
@@ -88,44 +109,76 @@ def _verdict(ratio: dict) -> str:
     return "ok" if not missed else "MISS " + "+".join(missed)
 
 
+def _curve(row: dict) -> str:
+    return row.get("curve", CURVE_OFF)
+
+
 def compare(rows: list[dict]) -> list[dict]:
-    raw = {(r["transport"], r["size"]): r for r in rows if r["client"] == "raw"}
+    """Each runtime cell against the raw cell of its transport, size and CURVE setting."""
+    raw = {(_curve(r), r["transport"], r["size"]): r for r in rows if r["client"] == "raw"}
     targets = {s.name: s.target for s in SIZES}
     ratios = []
     for r in rows:
-        base = raw.get((r["transport"], r["size"]))
+        base = raw.get((_curve(r), r["transport"], r["size"]))
         if r["client"] == "raw" or base is None:
             continue
         latency, overhead = r["p50_us"] / base["p50_us"], base["msgs_per_s"] / r["msgs_per_s"]
         target = targets[r["size"]]
-        ratios.append({"transport": r["transport"], "size": r["size"], "client": r["client"],
+        ratios.append({"transport": r["transport"], "size": r["size"], "client": r["client"], "curve": _curve(r),
                        "latency_ratio": round(latency, 3), "overhead": round(overhead, 3), "target": target,
                        "latency_ok": latency <= target, "throughput_ok": overhead <= target})
     return ratios
 
 
+def compare_curve(rows: list[dict]) -> list[dict]:
+    """What CURVE costs each cell: the CURVE-on row against the same cell with CURVE off."""
+    off = {(r["transport"], r["size"], r["client"]): r for r in rows if _curve(r) == CURVE_OFF}
+    costs = []
+    for r in rows:
+        base = off.get((r["transport"], r["size"], r["client"]))
+        if _curve(r) != CURVE_ON or base is None:
+            continue
+        costs.append({"transport": r["transport"], "size": r["size"], "client": r["client"],
+                      "p50_off_us": base["p50_us"], "p50_on_us": r["p50_us"],
+                      "msgs_per_s_off": base["msgs_per_s"], "msgs_per_s_on": r["msgs_per_s"],
+                      "latency_ratio": round(r["p50_us"] / base["p50_us"], 3),
+                      "throughput_ratio": round(base["msgs_per_s"] / r["msgs_per_s"], 3)})
+    return costs
+
+
 # ---- orchestration -----------------------------------------------------------------------
-def measure(transports: tuple[str, ...], seconds: float) -> list[dict]:
+def measure(transports: tuple[str, ...], seconds: float, curve_modes: tuple[str, ...] = (CURVE_OFF,)) -> list[dict]:
     import uvloop
+    from ops.keys_command import write_keys
+    from services.runtime.curve import load_keys
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp, Children(Path(tmp)) as children:
+        keys = None
+        if CURVE_ON in curve_modes:
+            write_keys(Path(tmp) / "keys")
+            keys = load_keys(Path(tmp) / "keys")
         for transport in transports:
-            for size in SIZES:
-                address = _address(transport, tmp, f"raw-{size.name}")
-                server = children.start(f"raw-{transport}-{size.name}",
-                                        ["raw", address, "copy" if not size.tensor else "zerocopy"])
-                rows.append(_row(transport, size, "raw", raw_cell(address, size, seconds)))
+            for curve in curve_modes:   # off and on of one transport back to back: the same machine state
+                cell_keys = keys if curve == CURVE_ON else None
+                keys_arg = [keys.directory] if cell_keys else []
+                for size in SIZES:
+                    address = _address(transport, tmp, f"raw-{size.name}-{curve}")
+                    server = children.start(f"raw-{transport}-{size.name}-curve-{curve}",
+                                            ["raw", address, "copy" if not size.tensor else "zerocopy", *keys_arg])
+                    rows.append(_row(transport, size, "raw", curve, raw_cell(address, size, seconds, cell_keys)))
+                    children.stop(server)
+                address = _address(transport, tmp, f"runtime-{curve}")
+                server = children.start(f"runtime-{transport}-curve-{curve}", ["runtime", address, *keys_arg])
+                cells = uvloop.run(runtime_cells(address, f"ipc://{tmp}/client-{transport}-{curve}.sock", seconds,
+                                                 cell_keys))
+                rows += [_row(transport, size, client, curve, cell) for client, size, cell in cells]
                 children.stop(server)
-            address = _address(transport, tmp, "runtime")
-            server = children.start(f"runtime-{transport}", ["runtime", address])
-            cells = uvloop.run(runtime_cells(address, f"ipc://{tmp}/client-{transport}.sock", seconds))
-            rows += [_row(transport, size, client, cell) for client, size, cell in cells]
-            children.stop(server)
     return rows
 
 
-def _row(transport: str, size: Size, client: str, cell: dict) -> dict:
-    return {"transport": transport, "size": size.name, "client": client, "window": size.window, **cell}
+def _row(transport: str, size: Size, client: str, curve: str, cell: dict) -> dict:
+    return {"transport": transport, "size": size.name, "client": client, "curve": curve, "window": size.window,
+            **cell}
 
 
 def _address(transport: str, tmp: str, name: str) -> str:
@@ -156,10 +209,11 @@ def _warmup_s(seconds: float) -> float:
     return min(0.5, seconds / 4)
 
 
-def raw_cell(address: str, size: Size, seconds: float) -> dict:
+def raw_cell(address: str, size: Size, seconds: float, keys=None) -> dict:
     """Blocking pyzmq DEALER: the same frames the runtime's Codec makes, encoded once."""
     import zmq
     from messages import Codec
+    from services.runtime.curve import connect_curve
     message, buffers = _message(size)
     frames = Codec("bench-raw").encode(message, buffers=buffers)
     copy = not size.tensor   # pyzmq's choice for small frames; zero-copy for the tensor frame
@@ -167,6 +221,8 @@ def raw_cell(address: str, size: Size, seconds: float) -> dict:
     sock = ctx.socket(zmq.DEALER)
     for opt, value in ((zmq.SNDHWM, HWM), (zmq.RCVHWM, HWM), (zmq.LINGER, 0), (zmq.RCVTIMEO, CELL_TIMEOUT_S * 1000)):
         sock.setsockopt(opt, value)
+    if keys is not None:
+        connect_curve(sock, keys)
     sock.connect(address)
 
     def receive() -> None:
@@ -213,12 +269,13 @@ def _latency_loop(roundtrip, seconds: float) -> list[int]:
             return samples
 
 
-async def runtime_cells(address: str, client_bind: str, seconds: float) -> list[tuple[str, Size, dict]]:
+async def runtime_cells(address: str, client_bind: str, seconds: float, keys=None) -> list[tuple[str, Size, dict]]:
     """Service.call from a client Service, then the lean client, against the echo Service."""
     from services.runtime.config import ServiceConfig
     from services.runtime.service import Service
     from messages.control import ServiceState
-    client = Service(ServiceConfig(kind="echo", instance="bench-client", bind=client_bind))
+    client = Service(ServiceConfig(kind="echo", instance="bench-client", bind=client_bind,
+                                   keys_dir=keys.directory if keys else ""))
     runner = asyncio.get_running_loop().create_task(client.run(install_signals=False))
     while client.state != ServiceState.RUNNING:
         if runner.done():
@@ -230,7 +287,7 @@ async def runtime_cells(address: str, client_bind: str, seconds: float) -> list[
         for size in SIZES:
             cells.append(("call", size, await asyncio.wait_for(_call_cell(client, address, size, seconds), limit)))
         for size in SIZES:
-            cells.append(("lean", size, await asyncio.wait_for(_lean_cell(address, size, seconds), limit)))
+            cells.append(("lean", size, await asyncio.wait_for(_lean_cell(address, size, seconds, keys), limit)))
     finally:
         client.stop()
         await runner
@@ -280,7 +337,7 @@ async def _async_latency_loop(roundtrip, seconds: float) -> list[int]:
             return samples
 
 
-async def _lean_cell(address: str, size: Size, seconds: float) -> dict:
+async def _lean_cell(address: str, size: Size, seconds: float, keys=None) -> dict:
     """The runtime's Codec and Link without Service: encode, send; the Link's listener decodes each
     reply, matches it to a request sent and checks it (no per-call future or timeout, no metrics)."""
     import zmq
@@ -290,7 +347,7 @@ async def _lean_cell(address: str, size: Size, seconds: float) -> dict:
     message, buffers = _message(size)
     codec = Codec("bench-lean")
     ctx = zmq.Context()
-    link = Link(ctx, address, HWM)
+    link = Link(ctx, address, HWM, keys)
     loop, clock = asyncio.get_running_loop(), time.perf_counter_ns
     pending: set[str] = set()
     run = {"waiter": None, "pipelined": False, "end": 0, "replies": 0}

@@ -1,6 +1,7 @@
 """The echo servers of `epd bench wire`, as child processes (`python -m ops.bench.wire_servers
-PARENT_PID ...`): the runtime's own echo service, or a raw blocking pyzmq ROUTER echo. Children
-starts them and stops them all when the bench ends; each dies with the bench (PR_SET_PDEATHSIG)."""
+PARENT_PID ...`): the runtime's own echo service, or a raw blocking pyzmq ROUTER echo, each with
+CURVE when given a keys dir. Children starts them and stops them all when the bench ends; each
+dies with the bench (PR_SET_PDEATHSIG)."""
 from __future__ import annotations
 
 import os
@@ -57,22 +58,29 @@ class Children:
 
 
 def serve(argv: list[str]) -> int:
-    """`PARENT_PID raw ADDRESS copy|zerocopy` or `PARENT_PID runtime ADDRESS`."""
+    """`PARENT_PID raw ADDRESS copy|zerocopy [KEYS_DIR]` or `PARENT_PID runtime ADDRESS [KEYS_DIR]`."""
     parent, kind, address, *rest = argv
     die_with_parent(int(parent))
     if kind == "runtime":   # exactly `python -m services.runtime.main echo` (uvloop, the default config)
+        from services.runtime.curve import KEYS_ENV
         from services.runtime.main import main
+        os.environ[KEYS_ENV] = rest[0] if rest else ""   # the service's config reads it
         return main(["echo", "--instance", f"bench-echo-{os.getpid()}", "--bind", address])
-    return raw_echo(address, copy=rest == ["copy"])
+    return raw_echo(address, copy=rest[0] == "copy", keys_dir=rest[1] if len(rest) > 1 else "")
 
 
-def raw_echo(address: str, copy: bool) -> int:
+def raw_echo(address: str, copy: bool, keys_dir: str = "") -> int:
     """ROUTER echo in a plain blocking loop: every message goes back as it came."""
     import zmq
+    from services.runtime.curve import load_keys, serve_curve, start_authenticator
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     for opt, value in ((zmq.SNDHWM, HWM), (zmq.RCVHWM, HWM), (zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1)):
         sock.setsockopt(opt, value)
+    if keys_dir:   # as a service's inbox: CURVE server, ZAP admitting the client key (runs until killed)
+        keys = load_keys(keys_dir)
+        start_authenticator(ctx, keys)
+        serve_curve(sock, keys)
     sock.bind(address)
     print("service.ready", flush=True)
     while True:
@@ -81,5 +89,6 @@ def raw_echo(address: str, copy: bool) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) < 4:
-        sys.exit("usage: python -m ops.bench.wire_servers PARENT_PID (raw ADDRESS copy|zerocopy | runtime ADDRESS)")
+        sys.exit("usage: python -m ops.bench.wire_servers PARENT_PID "
+                 "(raw ADDRESS copy|zerocopy | runtime ADDRESS) [KEYS_DIR]")
     sys.exit(serve(sys.argv[1:]))

@@ -28,6 +28,7 @@ class ServiceConfig:
     ready_timeout_s: float = 30.0
     call_timeout_s: float = 30.0      # default for request/reply calls to peers
     log_level: str = "info"
+    keys_dir: str = ""                # CURVE keys (`epd keys`): encrypted, authenticated sockets; "" = plaintext
     settings: dict[str, Any] = field(default_factory=dict)   # service-specific options
 
     def __post_init__(self) -> None:

@@ -34,6 +34,7 @@ from messages.errors import Draining, ErrorCode, Overloaded, PeerDead, RequestTi
 from services.runtime.calls import PendingCalls
 from services.runtime.config import ServiceConfig
 from services.runtime.context import Context
+from services.runtime.curve import load_keys
 from services.runtime.logs import REQUEST_FIELDS
 from services.runtime.membership import DispatchTracker, MembershipTable, Peer
 from services.runtime.metrics import ServiceMetrics
@@ -117,6 +118,8 @@ class Service:
         self.metrics.in_flight.set_function(self.in_flight)
         self.sockets = Sockets(self.config.hwm, lambda frames, link: self._accept(frames, link=link))
         try:
+            if self.config.keys_dir:   # a bad keys dir fails the start here, naming the file
+                self.sockets.secure(load_keys(self.config.keys_dir))
             self.inbox = self.sockets.bind(self.config.bind)
             await self.on_start()
         except Exception as exc:   # noqa: BLE001 - whatever failed, say why and exit at once

@@ -18,6 +18,10 @@ from the frame, and flags are plain ints (pyzmq's IntFlag `|` is a Python call).
 
 Frames up to and including the header arrive as bytes (small: a copy is cheaper than a zmq.Frame
 object); the buffer frames after it arrive as zero-copy zmq.Frame.
+
+With CURVE keys (curve.py; `Sockets.secure`), the Inbox is a CURVE server admitting only the
+stack's client key and every Link a CURVE client: libzmq encrypts each frame, the code here is
+unchanged.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import Callable
 import zmq
 
 from messages.errors import Overloaded, PeerDead
+from services.runtime.curve import CurveKeys, connect_curve, serve_curve, start_authenticator, stop_authenticator
 
 CLOSE_LINGER_MS = 500    # on orderly close: time for the last replies to leave
 DRAIN_BATCH = 256        # messages one wake-up of a listener delivers before yielding to the loop
@@ -190,15 +195,20 @@ class _Endpoint:
 class Inbox(_Endpoint):
     """The bound ROUTER socket: frames arrive as (identity, frames) and replies go back by identity."""
 
-    def __init__(self, ctx: zmq.Context, bind: str, hwm: int):
+    def __init__(self, ctx: zmq.Context, bind: str, hwm: int, curve: CurveKeys | None = None):
         super().__init__(ctx, zmq.ROUTER, hwm, copied_frames=3)   # identity, tag, header
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # unroutable replies raise instead of vanishing
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)    # a reconnecting peer takes over its identity
         try:
+            if curve is not None:
+                serve_curve(self.sock, curve)
             self.sock.bind(bind)
         except zmq.ZMQError as exc:   # an open socket would block the context's term() forever
             self.sock.close(linger=0)
             raise OSError(exc.errno, f"cannot bind {bind}: {zmq.strerror(exc.errno).lower()}") from None
+        except BaseException:
+            self.sock.close(linger=0)
+            raise
         self.bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     async def recv(self) -> tuple[bytes, list]:
@@ -216,16 +226,21 @@ class Inbox(_Endpoint):
 class Link(_Endpoint):
     """A DEALER socket connected to one peer's Inbox."""
 
-    def __init__(self, ctx: zmq.Context, address: str, hwm: int):
+    def __init__(self, ctx: zmq.Context, address: str, hwm: int, curve: CurveKeys | None = None):
         super().__init__(ctx, zmq.DEALER, hwm, copied_frames=2)   # tag, header
         self.address = address
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         try:
+            if curve is not None:
+                connect_curve(self.sock, curve)
             self.sock.connect(address)
         except zmq.ZMQError as exc:   # as for a failed bind: close it, or term() waits on it forever
             self.sock.close(linger=0)
             raise OSError(exc.errno, f"cannot connect to {address}: {zmq.strerror(exc.errno).lower()}") from None
+        except BaseException:
+            self.sock.close(linger=0)
+            raise
 
     async def recv(self) -> list:
         return await self._recv()
@@ -240,7 +255,8 @@ class Link(_Endpoint):
 
 class Sockets:
     """Every ZeroMQ socket of one service, in one context: its Inbox, and a Link per peer address
-    (opened on first use; `on_link_message(frames, link)` reads what comes back on it)."""
+    (opened on first use; `on_link_message(frames, link)` reads what comes back on it). After
+    `secure(keys)` every one of them uses CURVE, and the context runs the ZAP authenticator."""
 
     def __init__(self, hwm: int, on_link_message: Callable[[list, Link], None]):
         self.ctx = zmq.Context()
@@ -248,15 +264,24 @@ class Sockets:
         self.inbox: Inbox | None = None
         self.links: dict[str, Link] = {}
         self._on_link_message = on_link_message
+        self.curve: CurveKeys | None = None
+        self._authenticator = None
+
+    def secure(self, keys: CurveKeys) -> None:
+        """CURVE on every socket from here on; before the first bind or link."""
+        if self.inbox is not None or self.links:
+            raise RuntimeError("secure() must come before any socket is opened")
+        self._authenticator = start_authenticator(self.ctx, keys)
+        self.curve = keys
 
     def bind(self, address: str) -> Inbox:
-        self.inbox = Inbox(self.ctx, address, self.hwm)
+        self.inbox = Inbox(self.ctx, address, self.hwm, self.curve)
         return self.inbox
 
     def link(self, address: str) -> Link:
         link = self.links.get(address)
         if link is None:
-            link = self.links[address] = Link(self.ctx, address, self.hwm)
+            link = self.links[address] = Link(self.ctx, address, self.hwm, self.curve)
             link.listen(lambda frames: self._on_link_message(frames, link))
         return link
 
@@ -274,4 +299,7 @@ class Sockets:
         self.links.clear()
         if self.inbox is not None:
             self.inbox.close(inbox_linger_ms)
+        if self._authenticator is not None:   # its thread uses sockets of this context: stop it first
+            stop_authenticator(self._authenticator)
+            self._authenticator = None
         self.ctx.destroy(linger=0)

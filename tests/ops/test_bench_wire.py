@@ -69,6 +69,44 @@ def test_wire_bench_runs_one_transport_when_asked(tmp_path):
     assert bench_servers_of_this_process() == []
 
 
+@pytest.mark.timeout(240)
+def test_wire_bench_curve_measures_every_cell_off_and_on_and_compares(tmp_path, capsys):
+    out = tmp_path / "curve.json"
+    # 1 MiB under CURVE takes ~20 ms a round trip here: long enough windows that every cell gets replies
+    assert run_bench(["--seconds", "0.25", "--transport", "ipc", "--curve", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["curve_modes"] == ["off", "on"]
+    cells = {(r["size"], r["client"], r["curve"]) for r in doc["results"]}
+    assert cells == {(s.name, c, m) for s in wire.SIZES for c in CLIENTS for m in ("off", "on")}
+    for row in doc["results"]:   # every CURVE cell got replies: keys, ZAP and all three clients work
+        assert row["replies"] > 0 and row["latency_samples"] > 0, row
+    assert {r["curve"] for r in doc["ratios"]} == {"off", "on"}   # runtime vs raw within one setting
+    costs = doc["curve_costs"]
+    assert {(c["size"], c["client"]) for c in costs} == {(s.name, c) for s in wire.SIZES for c in CLIENTS}
+    for cost in costs:
+        assert cost["latency_ratio"] == round(cost["p50_on_us"] / cost["p50_off_us"], 3)
+        assert cost["throughput_ratio"] == round(cost["msgs_per_s_off"] / cost["msgs_per_s_on"], 3)
+    printed = capsys.readouterr().out
+    curve_table = printed[printed.index("CURVE on / off"):]
+    assert "baseline = CURVE off" in curve_table
+    assert len([line for line in curve_table.splitlines() if line.startswith("ipc")]) == len(costs)
+    assert bench_servers_of_this_process() == []
+
+
+def test_curve_costs_compare_each_cell_to_itself_with_curve_off():
+    def row(client, curve, p50, rate):
+        return {"transport": "tcp", "size": "64B", "client": client, "curve": curve, "p50_us": p50,
+                "msgs_per_s": rate}
+
+    rows = [row("raw", "off", 100.0, 1000.0), row("lean", "off", 200.0, 500.0),
+            row("raw", "on", 150.0, 800.0), row("lean", "on", 250.0, 400.0)]
+    raw_cost, lean_cost = wire.compare_curve(rows)
+    assert (raw_cost["client"], raw_cost["latency_ratio"], raw_cost["throughput_ratio"]) == ("raw", 1.5, 1.25)
+    assert (lean_cost["client"], lean_cost["latency_ratio"], lean_cost["throughput_ratio"]) == ("lean", 1.25, 1.25)
+    ratios = wire.compare(rows)   # runtime vs raw never mixes CURVE settings
+    assert [(r["curve"], r["latency_ratio"]) for r in ratios] == [("off", 2.0), ("on", round(250 / 150, 3))]
+
+
 def test_ratios_compare_runtime_to_raw_and_flag_misses():
     def row(client, size, p50, rate):
         return {"transport": "tcp", "size": size, "client": client, "p50_us": p50, "msgs_per_s": rate}
