@@ -7,8 +7,9 @@ Addresses are assigned here: instance i of the whole stack (in file order, repli
 tcp://host:(port_base + i).
 
 Embedded topologies (ops/topologies/, loaded by name): "default", the E/P/D form (gateway, prefill
-router and workers, decode router and workers, KV writer, SWA registry), and "unified", a gateway
-in front of one unified worker; "epd" is the E/P/D form's former name (ALIASES).
+router and workers, decode router and workers, KV writer, SWA registry), "unified", a gateway
+in front of one unified worker, and "gpu2", the E/P/D form on a host with two GPUs (prefill on GPU 0,
+decode on GPU 1, bfloat16); "epd" is the E/P/D form's former name (ALIASES).
 
 Named peers. A service that talks to a peer other than its upstream takes the peer's address from
 a setting. Write the peer's service name with an "@" instead of an address:
@@ -20,6 +21,19 @@ the service's first replica (as `upstream` does): here `tcp://host:port` of the 
 --port-base, --host and inserted replicas move it; `ops/compose.py` resolves it to
 `tcp://<service name>:<port>` (Compose DNS). A name that is not a service of the topology is a
 ValueError naming the service and the setting.
+
+GPU pinning. A service whose processes run a model (the engine workers, the vision worker) may list
+the GPUs its replicas run on:
+    gpus = [0, 1]          # replica i runs on GPU gpus[i]
+The launcher starts replica i with CUDA_VISIBLE_DEVICES=gpus[i] (and CUDA_DEVICE_ORDER=PCI_BUS_ID,
+so the indices are the host's, as nvidia-smi numbers them; a CUDA_VISIBLE_DEVICES of the launcher's
+own environment is replaced, not narrowed), and the service's `device` setting is "cuda" (set when
+absent): inside the process the pinned GPU is cuda:0, so "cuda:1" there is an error. Rules: GPU
+indices are ints >= 0, none twice in one list (no two replicas of a service share a GPU), and
+`replicas` <= len(gpus) (more GPUs than replicas: the rest wait for a larger `replicas`). Different
+services may name the same GPU (a vision worker beside the prefill worker it feeds): GPU memory is the
+topology author's to budget. Only kinds that run a model on a device take `gpus` (GPU_KINDS; a
+"module:Class" kind is trusted to).
 """
 from __future__ import annotations
 
@@ -36,6 +50,10 @@ PEER_PREFIX = "@"
 # Embedded topologies known by an older name: "epd" was the E/P/D form before it became "default".
 ALIASES = {"epd": "default"}
 
+# Kinds whose settings take a torch `device` (EngineConfig's, the vision worker's): only these take `gpus`.
+GPU_KINDS = ("prefill_worker", "decode_worker", "unified_worker", "vision_worker")
+PINNED_DEVICES = ("cuda", "cuda:0")      # what a pinned process may call its one visible GPU
+
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(ServiceConfig)} - {"kind", "instance", "bind", "advertise",
                                                                            "upstream", "metrics_bind"}
 
@@ -47,6 +65,7 @@ class ServiceSpec:
     replicas: int = 1
     upstream: str = ""                       # name of another service in the topology
     options: dict[str, Any] = field(default_factory=dict)   # ServiceConfig fields, settings included
+    gpus: tuple[int, ...] = ()               # replica i runs on GPU gpus[i] (the module docstring)
 
     def __post_init__(self) -> None:
         if not self.name.replace("_", "").replace("-", "").isalnum():
@@ -58,6 +77,34 @@ class ServiceSpec:
             raise ValueError(f"service {self.name}: unknown keys {sorted(unknown)}")
         if not isinstance(self.options.get("settings", {}), dict):
             raise ValueError(f"service {self.name}: settings must be a table")
+        if self.gpus != ():
+            self._check_gpus()
+
+    def _check_gpus(self) -> None:
+        gpus = self.gpus
+        if not isinstance(gpus, (list, tuple)) or not gpus or not all(type(g) is int and g >= 0 for g in gpus):
+            raise ValueError(f"service {self.name}: gpus must be a list of GPU indices (ints >= 0), got {gpus!r}")
+        self.gpus = tuple(gpus)
+        if len(set(gpus)) != len(gpus):
+            raise ValueError(f"service {self.name}: gpus {list(gpus)} names a GPU twice; "
+                             "each replica of a service needs a GPU of its own")
+        if self.replicas > len(gpus):
+            raise ValueError(f"service {self.name}: replicas = {self.replicas} but gpus lists {len(gpus)} "
+                             f"({list(gpus)}); each replica needs a GPU of its own: list more GPUs or "
+                             "run fewer replicas")
+        if ":" not in self.kind and self.kind not in GPU_KINDS:
+            raise ValueError(f"service {self.name}: kind {self.kind} runs no model on a device, so it takes "
+                             f"no gpus (kinds that do: {', '.join(GPU_KINDS)})")
+        settings = self.options.get("settings", {})
+        device = settings.get("device", "cuda")
+        if device not in PINNED_DEVICES:
+            raise ValueError(f"service {self.name}: device = {device!r} with gpus: each replica sees only its "
+                             f"own GPU, as cuda:0; write device = \"cuda\" or leave it out")
+        self.options["settings"] = {**settings, "device": device}
+
+    def gpu(self, replica: int) -> int | None:
+        """The GPU replica `replica` is pinned to; None when the service names no gpus."""
+        return self.gpus[replica] if self.gpus else None
 
     @property
     def peers(self) -> dict[str, str]:
@@ -117,6 +164,18 @@ class Topology:
                 out.append((spec, replica, config))
         return out
 
+    def gpu_of(self, instance: str) -> int | None:
+        """The GPU an instance ("<service>-<replica>", as instances() names them) is pinned to, if any."""
+        name, _, replica = instance.rpartition("-")
+        for spec in self.services:
+            if spec.name == name and replica.isdigit() and int(replica) < spec.replicas:
+                return spec.gpu(int(replica))
+        return None
+
+    def instance_env(self, instance: str) -> dict[str, str]:
+        """Environment the topology sets for one instance's process: a pinned replica sees its GPU alone."""
+        return gpu_env(self.gpu_of(instance))
+
     def address(self, name: str) -> str:
         """The local address of service `name`'s first replica: where its upstream and peers reach it."""
         return self._address(self._slots()[name][0])
@@ -132,6 +191,13 @@ class Topology:
             slots[spec.name] = list(range(slot, slot + spec.replicas))
             slot += spec.replicas
         return slots
+
+
+def gpu_env(gpu: int | None) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES for a process pinned to host GPU `gpu` (nvidia-smi's numbering); {} for None."""
+    if gpu is None:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": str(gpu), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def load_topology(name_or_path: str | None = None, *, port_base: int | None = None,
@@ -180,7 +246,7 @@ def parse_topology(data: dict, *, source: str = "", port_base: int | None = None
         except KeyError as exc:
             raise ValueError(f"[[service]] needs {exc.args[0]!r}") from None
         services.append(ServiceSpec(name=name, kind=kind, replicas=raw.pop("replicas", 1),
-                                    upstream=raw.pop("upstream", ""), options=raw))
+                                    upstream=raw.pop("upstream", ""), gpus=raw.pop("gpus", ()), options=raw))
     if not services:
         raise ValueError("a topology needs at least one [[service]]")
     if port_base is not None:

@@ -15,6 +15,13 @@ and their greedy outputs must be equal: tokens counted and text (the engine's to
 gateway's response stream) compared request by request; any difference is a bug, reported loudly
 (exit status 1). The HTTP API has no ignore_eos: both sides stop at EOS alike.
 
+GPUs. `--topology gpu2` runs the stack with its workers pinned to GPUs (prefill on 0, decode on 1;
+ops/topologies/gpu2.toml); `--prefill-gpu N` / `--decode-gpu N` pin the topology's prefill or decode
+worker (one replica) to GPU N instead, with device "cuda" (ops/topology.py: the process sees that
+GPU alone). The engine alone runs on one GPU of this process: `--engine-gpu N` (default: the
+workers' device, "cuda" = GPU 0). It stays loaded while the stack's rounds run, so its GPU holds one
+more copy of the model (it is idle then: the sides take turns).
+
 Rounds alternate which side goes first, so background load falls on both alike; one warm-up round
 per side (prompts like the measured ones, 4 tokens out) is not measured. TTFT is per request from
 its round's start (stack_sides.py says what marks the first token on each side); "added" is the
@@ -47,6 +54,12 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("stack", help="the E/P/D stack over HTTP vs the engine alone: added TTFT, tokens/s")
     parser.add_argument("--topology",
                         help="topology name or file (default: `default` when it is the E/P/D form, else `epd`)")
+    parser.add_argument("--prefill-gpu", type=int, metavar="N",
+                        help="pin the topology's prefill worker to GPU N (device cuda; default: as the topology says)")
+    parser.add_argument("--decode-gpu", type=int, metavar="N",
+                        help="pin the topology's decode worker to GPU N (device cuda; default: as the topology says)")
+    parser.add_argument("--engine-gpu", type=int, metavar="N",
+                        help="run the engine alone on GPU N of this process (default: the workers' device)")
     parser.add_argument("--streams", type=int, default=8, help="concurrent requests per round (default 8)")
     parser.add_argument("--rounds", type=int, default=4, help="measured rounds per side (default 4)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
@@ -79,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="epd-bench-stack-"))
     keep = bool(args.workdir)
     try:
-        results = measure(args, LocalStack(topology, model_dir, workdir), topology)
+        results = measure(args, LocalStack(topology, model_dir, workdir, gpus=pinned_gpus(args)), topology)
     except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as exc:
         started = (workdir / "runs").exists()
         keep = keep or started
@@ -112,7 +125,23 @@ def _check_args(args: argparse.Namespace) -> str:
         return "--budget-s must be > 0"
     if args.engine_threads < 0:
         return "--engine-threads must be >= 0"
+    for flag in ("prefill_gpu", "decode_gpu", "engine_gpu"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 0:
+            return f"--{flag.replace('_', '-')} must be a GPU index >= 0"
     return ""
+
+
+def pinned_gpus(args: argparse.Namespace) -> dict[str, int]:
+    """Worker kind -> the GPU --prefill-gpu / --decode-gpu pin it to."""
+    pins = {"prefill_worker": args.prefill_gpu, "decode_worker": args.decode_gpu}
+    return {kind: gpu for kind, gpu in pins.items() if gpu is not None}
+
+
+def engine_device(settings: dict, engine_gpu: int | None) -> str:
+    """The engine alone's device: GPU `engine_gpu` of this process, else the workers' device."""
+    if engine_gpu is not None:
+        return f"cuda:{engine_gpu}"
+    return settings.get("device", "cpu")
 
 
 def _model_dir(path: str) -> Path | None:
@@ -145,10 +174,14 @@ def measure(args: argparse.Namespace, stack, topology: str) -> dict:
     rounds = workload.requests(args.rounds, args.streams, prompt_range, args.max_tokens, args.seed)
     warmup = workload.requests(1, args.streams, prompt_range, WARMUP_TOKENS, args.seed + 1, label="warmup")[0]
     settings = {**stack.engine_settings(), "torch_threads": args.engine_threads}
-    _progress(f"loading the engine ({settings['model_dir']}, dtype {settings.get('dtype')}, "
+    settings["device"] = engine_device(settings, args.engine_gpu)
+    gpus = stack.worker_gpus()
+    _progress(f"loading the engine ({settings['model_dir']}, {settings['device']}, dtype {settings.get('dtype')}, "
               f"torch threads {args.engine_threads or 'default'})")
     engine = EngineSide(settings)
-    _progress(f"starting the stack (topology {topology}, ports {stack.port_base}+, HTTP {stack.url})")
+    pinned = ", ".join(f"{instance} on GPU {gpu}" for instance, gpu in gpus.items())
+    _progress(f"starting the stack (topology {topology}, ports {stack.port_base}+, HTTP {stack.url}"
+              f"{'; ' + pinned if pinned else ''})")
     with stack:
         _progress("stack ready; warming up both sides")
         sides = {"engine": engine, "stack": StackSide(stack.url, stack.service_pids())}
@@ -166,12 +199,21 @@ def measure(args: argparse.Namespace, stack, topology: str) -> dict:
     done = {r.index for r in measured}
     return {"topology": topology, "topology_file": str(stack.topology.source), "streams": args.streams,
             "rounds": len(done), "max_tokens": args.max_tokens, "prompt_tokens_range": list(prompt_range),
-            "seed": args.seed, "engine_settings": settings, "load_avg_1m": [round(load_before, 2),
-                                                                           round(os.getloadavg()[0], 2)],
+            "seed": args.seed, "engine_settings": settings, "gpus": gpus, "gpu_names": gpu_names(),
+            "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "requests": len(done) * args.streams, "warmup_requests": len(warmup),
             "per_round": [_round_row(r) for r in measured],
             "per_request": [o.row(r.side) for r in measured for o in r.outcomes],
             "mismatches": compare_outputs(measured), **summarize(measured)}
+
+
+def gpu_names() -> list[str]:
+    """This host's GPUs by index (what the pins point at); [] without CUDA."""
+    try:
+        import torch
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except (ImportError, RuntimeError):
+        return []
 
 
 def _round_row(r) -> dict:
@@ -249,6 +291,16 @@ def _ms(seconds: float) -> float:
 
 
 # ---- output -------------------------------------------------------------------------------------
+def _gpu_note(results: dict) -> str:
+    """Where the pinned workers and the engine alone ran, for the summary's title; "" when nothing is pinned."""
+    gpus, names = results.get("gpus") or {}, results.get("gpu_names") or []
+    if not gpus:
+        return ""
+    host = f"{len(names)} x {', '.join(sorted(set(names)))}" if names else "no GPU seen by the bench"
+    pins = ", ".join(f"{instance} on GPU {gpu}" for instance, gpu in gpus.items())
+    return f"; host GPUs: {host}; {pins}, engine alone on {results['engine_settings'].get('device')}"
+
+
 def report(results: dict, date: str) -> None:
     m = machine()
     print_table(["round", "side", "requests", "prompt tokens", "output tokens", "cached", "wall s", "CPU s",
@@ -261,6 +313,7 @@ def report(results: dict, date: str) -> None:
                       f"{results['prompt_tokens_range'][1]} tokens, {results['max_tokens']} tokens out, greedy")
     engine, stack = results["engine"], results["stack"]
     equal = results["requests"] - len({(x["round"], x["stream"]) for x in results["mismatches"]})
+    where = _gpu_note(results)
     print_table(["measure", "engine", "stack", "added", "stack/engine", "target", "verdict"],
                 [["TTFT p50 ms", engine["ttft_ms_p50"], stack["ttft_ms_p50"], f"{results['added_ttft_ms_p50']:+,.1f}",
                   "", "none (reported)", ""],
@@ -275,5 +328,5 @@ def report(results: dict, date: str) -> None:
                  ["equal outputs", "", "", "", f"{equal}/{results['requests']}", "all",
                   "ok" if not results["mismatches"] else "MISMATCH"]],
                 title=f"\nstack vs engine alone: {date}, {m['cpu_model']}, {m['cores_usable']}/{m['cores']} cores, "
-                      f"load {results['load_avg_1m'][0]:g}->{results['load_avg_1m'][1]:g}; "
+                      f"load {results['load_avg_1m'][0]:g}->{results['load_avg_1m'][1]:g}{where}; "
                       "added = per-request stack - engine TTFT on the same request")

@@ -51,6 +51,34 @@ def topology_text(name_or_path: str) -> str:
     return embedded.read_text()
 
 
+def pinned_topology(text: str, gpus_by_kind: dict[str, int]) -> str:
+    """The topology with every service of each kind pinned to that GPU (`gpus = [N]`, added or
+    replaced; ops/topology.py gives it device "cuda"); ValueError when a kind has no service or runs
+    more than one replica (one GPU each: write a topology file for that)."""
+    blocks = re.split(r"(?m)^(?=\[\[service\]\])", text)
+    for kind, gpu in gpus_by_kind.items():
+        found = False
+        for n, block in enumerate(blocks):
+            if not re.search(rf'(?m)^kind\s*=\s*"{re.escape(kind)}"', block):
+                continue
+            found, line = True, f"gpus = [{int(gpu)}]"
+            if re.search(r"(?m)^gpus\s*=", block):
+                blocks[n] = re.sub(r"(?m)^gpus\s*=.*$", line, block, count=1)
+            else:   # a top-level key of the service: right after its [[service]] header
+                blocks[n] = re.sub(r"(?m)^(\[\[service\]\][^\n]*\n)", rf"\g<1>{line}\n", block, count=1)
+        if not found:
+            raise ValueError(f"the topology has no {kind} service to pin to GPU {gpu}")
+    edited = "".join(blocks)
+    for service in tomllib.loads(edited).get("service", []):
+        kind = service.get("kind")
+        if kind in gpus_by_kind and service.get("replicas", 1) != 1:
+            raise ValueError(f"{service.get('name')} runs {service['replicas']} replicas: pinning puts one "
+                             "service on one GPU; list the replicas' GPUs in a topology file (`gpus`)")
+        if kind in gpus_by_kind and service.get("gpus") != [gpus_by_kind[kind]]:
+            raise ValueError(f"could not pin {kind} to GPU {gpus_by_kind[kind]} in the topology")
+    return edited
+
+
 def moved_topology(text: str, port_base: int) -> str:
     """The topology with fixed peer addresses in its settings (tcp://host:port of one of its own
     slots) moved with the port base; a topology that names its peers has none and stays as it is."""
@@ -71,11 +99,14 @@ def moved_topology(text: str, port_base: int) -> str:
 class LocalStack:
     """`epd up --detach` of a topology in `workdir`; `epd down` on exit, whatever happened."""
 
-    def __init__(self, topology: str, model_dir: Path, workdir: Path) -> None:
+    def __init__(self, topology: str, model_dir: Path, workdir: Path, gpus: dict[str, int] | None = None) -> None:
+        """`gpus`: service kind -> the GPU its one replica is pinned to (pinned_topology)."""
         from ops.topology import parse_topology
         self.workdir = workdir.resolve()
         self.model_dir = model_dir.resolve()
         text = topology_text(topology)
+        if gpus:
+            text = pinned_topology(text, gpus)
         count = len(parse_topology(tomllib.loads(text)).instances())
         offset = tomllib.loads(text).get("stack", {}).get("metrics_offset", 100)
         self.port_base = free_port_base(count + 1, offset)    # the HTTP API takes the slot after the services
@@ -109,6 +140,11 @@ class LocalStack:
                 raise ValueError(f"workers {workers[0].name} and {spec.name} run different engines "
                                  f"({settings[0]} vs {other}): no single baseline to compare with")
         return {**settings[0], "model_dir": str(self.workdir / settings[0]["model_dir"])}
+
+    def worker_gpus(self) -> dict[str, list[int]]:
+        """Instance -> the GPU it is pinned to, for every pinned instance of the topology."""
+        return {config.instance: spec.gpu(replica) for spec, replica, config in self.topology.instances()
+                if spec.gpu(replica) is not None}
 
     def gateway_settings(self) -> dict:
         gateways = [s for s in self.topology.services if s.kind == "gateway"]
