@@ -6,7 +6,7 @@ STAMP   = $(VENV)/.installed
 
 MODEL   = .epd/models/deepseek-v41-tiny
 
-.PHONY: install model up down status test clean
+.PHONY: install model up down status test compose-test compose-up compose-down clean
 
 install: $(STAMP)
 
@@ -41,6 +41,26 @@ status:
 
 test: install
 	$(PY) -m pytest -q
+
+# The default topology in containers (compose/README.md): the image (compose/build-image picks a base
+# and a BuildKit client), the stack's CURVE keys (compose/make-keys), then Compose.
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+
+compose-up:
+	compose/build-image
+	compose/make-keys
+	$(COMPOSE) -f compose/docker-compose.yml up -d
+
+compose-down:
+	$(COMPOSE) -f compose/docker-compose.yml down
+
+# Needs a Docker engine: builds the image, then tests/compose runs the stack in containers (SDK
+# requests, both replicas of scaled pools, a decode container killed mid-stream, `epd trace` over
+# `compose logs`, nothing left after `down -v`). `.ci/run` calls it when dockerd can start.
+compose-test: install
+	compose/build-image
+	compose/make-keys
+	EPD_COMPOSE_TEST=1 $(PY) -m pytest -q -s -p no:cacheprovider tests/compose
 
 clean:
 	rm -rf $(VENV) .epd *.egg-info

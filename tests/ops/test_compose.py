@@ -90,7 +90,7 @@ def test_rendering_is_deterministic_and_plain_yaml():
     assert first == second
     assert "&" not in first and "*" not in first          # no YAML anchors or aliases
     document = yaml.safe_load(first)
-    assert document["version"] == "2.4"
+    assert "version" not in document      # the Compose Specification
     assert list(document["services"]) == ["registry", "workers", "front", "store", "readers"]
 
 
@@ -119,7 +119,7 @@ def test_environment_rebuilds_the_config_the_local_launcher_builds(topology):
         env = container_env(services[spec.name])
         assert "EPD_INSTANCE" not in env          # each container defaults to <kind>-<hostname>-<pid>
         rebuilt, local = ServiceConfig.from_env(env), launched[spec.name]
-        addresses = {"instance", "bind", "advertise", "upstream", "metrics_bind"}
+        addresses = {"instance", "bind", "advertise", "upstream", "metrics_bind", "keys_dir"}   # keys: the secret
         for f in dataclasses.fields(ServiceConfig):
             if f.name not in addresses | {"settings"}:
                 assert getattr(rebuilt, f.name) == getattr(local, f.name), f"{spec.name}.{f.name}"
@@ -241,11 +241,30 @@ def test_image_pins_the_same_cpu_torch_as_pyproject_and_runs_epd():
     dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     torch_pin = next(dep for dep in deps if dep.startswith("torch=="))
-    assert f"pip install {torch_pin} --index-url https://download.pytorch.org/whl/cpu" in dockerfile
-    assert dockerfile.count("FROM ") == 1 and "FROM python:3.11-slim" in dockerfile
+    version = torch_pin.removeprefix("torch==")
+    # a local wheel of exactly that version when the context has one, else the CPU index
+    assert f"/wheels/torch-{version}*.whl" in dockerfile
+    assert f'pip install --index-url "$TORCH_INDEX" {torch_pin}' in dockerfile
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in dockerfile
+    # one stage; the base is a build argument defaulting to the official slim image
+    assert dockerfile.count("FROM ") == 1 and "ARG BASE_IMAGE=python:3.11-slim" in dockerfile
+    assert "FROM ${BASE_IMAGE}" in dockerfile
     assert 'ENTRYPOINT ["epd"]' in dockerfile
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert not {"pyproject.toml", "ops", "services", "messages", "engine"} & set(ignored)
+    assert not {"pyproject.toml", "ops", "services", "messages", "engine", ".wheels"} & set(ignored)
+    assert "compose/keys" in ignored   # the stack's CURVE keys never reach an image
+
+
+def test_the_pip_ca_is_a_build_secret_mounted_by_every_pip_step_and_never_copied():
+    dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
+    steps = [step for step in dockerfile.split("\nRUN ")[1:] if "pip install" in step]
+    assert len(steps) == 3
+    for step in steps:
+        assert "--mount=type=secret,id=pip_cert" in step
+        assert "export PIP_CERT=/run/secrets/pip_cert" in step
+    assert "COPY" not in dockerfile.replace("# ", "")   # the context is bind-mounted, never a layer
+    build = (ROOT / "compose" / "build-image").read_text()
+    assert '--secret "id=pip_cert,src=$PIP_CERT"' in build
 
 
 V1_MISSING = "Debian docker-compose (v1) not installed; .ci/run installs it"
@@ -260,3 +279,32 @@ def test_debian_docker_compose_v1_accepts_the_committed_and_a_richer_file(tmp_pa
         result = subprocess.run(["docker-compose", "-f", str(path), "config", "-q"],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, f"{path}: {result.stderr}"
+
+
+@pytest.mark.parametrize("topology", [load_topology("default"), rich_topology()], ids=["default", "rich"])
+def test_every_service_mounts_the_curve_keys_secret_and_names_it_in_epd_keys_dir(topology):
+    document = compose.compose_document(topology)
+    assert "version" not in document   # the Compose Specification: file secrets need it
+    assert document["secrets"] == {"epd_keys": {"file": "./keys"}}
+    for name, service in document["services"].items():
+        assert service["secrets"] == ["epd_keys"], name
+        assert service["environment"]["EPD_KEYS_DIR"] == "/run/secrets/epd_keys", name
+        assert ServiceConfig.from_env(container_env(service)).keys_dir == "/run/secrets/epd_keys"
+
+
+def test_pinned_gpu_workers_reserve_their_own_gpu_and_nothing_else_reserves_one():
+    services = compose.compose_document(load_topology("gpu2"))["services"]
+    reserved = {name: service["deploy"]["resources"]["reservations"]["devices"]
+                for name, service in services.items() if "deploy" in service}
+    assert {name: devices[0]["device_ids"] for name, devices in reserved.items()} == {
+        "prefill_worker": ["0"], "decode_worker": ["1"], "vision_worker": ["0"]}
+    assert all(devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
+               for devices in reserved.values())
+
+
+def test_a_pinned_service_with_two_replicas_is_refused_because_compose_would_share_its_gpus():
+    two = parse_topology({"service": [
+        {"name": "router", "kind": "decode_router"},
+        {"name": "workers", "kind": "decode_worker", "upstream": "router", "replicas": 2, "gpus": [0, 1]}]})
+    with pytest.raises(ValueError, match="one \\[\\[service\\]\\] per GPU"):
+        compose.compose_document(two)

@@ -14,6 +14,7 @@ import pytest
 from ops.keys_command import write_keys
 from tests.helpers.test_helper_processes import REPO
 from tests.helpers.test_helper_stack import free_port_base, pid_alive
+from tests.ops.test_stack_commands import write_topology
 
 pytestmark = pytest.mark.slow   # starts a stack of service processes
 
@@ -38,22 +39,7 @@ def env(tmp_path):
 
 def test_up_with_keys_runs_every_service_with_curve(tmp_path, env):
     write_keys(tmp_path / "keys")
-    topology = tmp_path / "t.toml"
-    topology.write_text(f"""
-[stack]
-port_base = {free_port_base(3)}
-grace_s = 3.0
-[[service]]
-name = "hub"
-kind = "echo"
-heartbeat_s = 0.5
-[[service]]
-name = "worker"
-kind = "echo"
-replicas = 2
-upstream = "hub"
-heartbeat_s = 0.5
-""")
+    topology = write_topology(tmp_path / "t.toml", free_port_base(3))   # a hub and two echo workers
     up = epd(tmp_path, "up", "--detach", "--topology", str(topology), "--keys", "keys", env=env)
     assert up.returncode == 0, up.stdout + up.stderr
     assert f"links: CURVE, keys {(tmp_path / 'keys').resolve()}" in up.stdout
