@@ -323,7 +323,8 @@ class Supervisor:
                           "address": c.config.advertise, "metrics": c.config.metrics_bind, "pid": c.pid,
                           "state": c.state, "restarts": c.restarts, "exit_code": c.exit_code,
                           "exit_reason": c.exit_reason, "log": str(c.log_path),
-                          "keys_dir": c.config.keys_dir} for c in self.children],
+                          "keys_dir": c.config.keys_dir, "gpu": self.topology.gpu_of(c.config.instance)}
+                         for c in self.children],
         }
         tmp = self.run_dir / "state.json.tmp"
         tmp.write_text(json.dumps(state, indent=1))

@@ -213,7 +213,7 @@ def cmd_status(args) -> int:
             "kv_usage": reply.load.kv_usage if reply else None,   # workers: share of KV pages in use
             "peers": f"{sum(p.alive for p in reply.peers)}/{len(reply.peers)}" if reply else "-",
             "last_heartbeat": "-" if hb is None else ("dead" if hb == float("inf") else f"{hb:.1f}s ago"),
-            "restarts": svc["restarts"],
+            "restarts": svc["restarts"], "gpu": "-" if svc.get("gpu") is None else svc["gpu"],   # topology `gpus`
             "last_exit": svc["exit_code"] if exited else "-", "exit_reason": svc.get("exit_reason", "")})
     if args.json:
         print(json.dumps({"supervisor": state["status"], "services": rows}, indent=1))
@@ -221,6 +221,8 @@ def cmd_status(args) -> int:
         print(f"stack: {state['status']}  (run dir {run_dir.resolve()})")
         cols = ("instance", "kind", "state", "pid", "uptime_s", "queue", "in_flight", "peers",
                 "last_heartbeat", "restarts", "last_exit")
+        if any(r["gpu"] != "-" for r in rows):   # a GPU-pinned topology: which GPU each instance sees
+            cols = cols[:3] + ("gpu",) + cols[3:]
         widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
         print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
         for r in rows:

@@ -15,6 +15,7 @@ from ops import bench
 from ops.bench.stack import engine_device, pinned_gpus
 from ops.bench.stack_local import LocalStack, pinned_topology, topology_text
 from ops.launcher import Supervisor
+from ops.stack_commands import cmd_status
 from ops.topology import load_topology, parse_topology
 
 WORKER = {"model_dir": "m", "dtype": "bfloat16"}
@@ -115,7 +116,7 @@ class RecordedPopen:
         return None
 
 
-def test_the_launcher_starts_each_pinned_replica_with_its_gpu_alone(tmp_path, monkeypatch):
+def test_the_launcher_starts_each_pinned_replica_with_its_gpu_alone(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("ops.launcher.subprocess.Popen", RecordedPopen)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")   # the launcher's own: replaced, not narrowed
     RecordedPopen.envs = {}
@@ -132,6 +133,16 @@ def test_the_launcher_starts_each_pinned_replica_with_its_gpu_alone(tmp_path, mo
     logged = [json.loads(line) for line in (tmp_path / "logs" / "supervisor.log").read_text().splitlines()]
     assert {(e["instance"], e["gpu"]) for e in logged if e["event"] == "service.gpu"} == {
         ("prefill_worker-0", "2"), ("decode_worker-0", "1"), ("decode_worker-1", "0")}
+
+    # state.json keeps each instance's GPU, and `epd status` shows it (nothing answers here: unreachable)
+    supervisor.write_state()
+    status = argparse.Namespace(run_dir=str(tmp_path), keys=None, timeout_s=0.05, json=False)
+    assert cmd_status(status) == 3
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[1].split()
+    assert header[:4] == ["instance", "kind", "state", "gpu"]
+    gpus = {line.split()[0]: line.split()[3] for line in lines[2:6]}
+    assert gpus == {"prefill_router-0": "-", "prefill_worker-0": "2", "decode_worker-0": "1", "decode_worker-1": "0"}
 
 
 # ---- epd bench stack ----------------------------------------------------------------------------
