@@ -34,7 +34,6 @@ from messages.errors import Draining, ErrorCode, Overloaded, PeerDead, RequestTi
 from services.runtime.calls import PendingCalls
 from services.runtime.config import ServiceConfig
 from services.runtime.context import Context
-from services.runtime.curve import load_keys
 from services.runtime.logs import REQUEST_FIELDS
 from services.runtime.membership import DispatchTracker, MembershipTable, Peer
 from services.runtime.metrics import ServiceMetrics
@@ -118,8 +117,7 @@ class Service:
         self.metrics.in_flight.set_function(self.in_flight)
         self.sockets = Sockets(self.config.hwm, lambda frames, link: self._accept(frames, link=link))
         try:
-            if self.config.keys_dir:   # a bad keys dir fails the start here, naming the file
-                self.sockets.secure(load_keys(self.config.keys_dir))
+            self.sockets.secure_with(self.config.keys_dir)   # "" = plaintext; a bad dir fails here, naming the file
             self.inbox = self.sockets.bind(self.config.bind)
             await self.on_start()
         except Exception as exc:   # noqa: BLE001 - whatever failed, say why and exit at once
@@ -136,8 +134,7 @@ class Service:
             from services.runtime.http import serve_metrics
             self._spawn(serve_metrics(self))
         self._set_state(ServiceState.RUNNING)
-        self.log.info("service.ready", kind=self.kind, bind=self.inbox.bound,
-                      advertise=self.config.advertise, pid=os.getpid())
+        self.log.info("service.ready", kind=self.kind, bind=self.inbox.bound, advertise=self.config.advertise, pid=os.getpid())
         await self._stopped.wait()
         await self._shutdown()
         return 1 if self.failure else 0

@@ -32,7 +32,8 @@ from typing import Callable
 import zmq
 
 from messages.errors import Overloaded, PeerDead
-from services.runtime.curve import CurveKeys, connect_curve, serve_curve, start_authenticator, stop_authenticator
+from services.runtime.curve import (CurveKeys, connect_curve, load_keys, serve_curve, start_authenticator,
+                                   stop_authenticator)
 
 CLOSE_LINGER_MS = 500    # on orderly close: time for the last replies to leave
 DRAIN_BATCH = 256        # messages one wake-up of a listener delivers before yielding to the loop
@@ -273,6 +274,11 @@ class Sockets:
             raise RuntimeError("secure() must come before any socket is opened")
         self._authenticator = start_authenticator(self.ctx, keys)
         self.curve = keys
+
+    def secure_with(self, keys_dir: str) -> None:
+        """`secure` with the keys in keys_dir (a KeysError names a missing or bad file); "" = plaintext."""
+        if keys_dir:
+            self.secure(load_keys(keys_dir))
 
     def bind(self, address: str) -> Inbox:
         self.inbox = Inbox(self.ctx, address, self.hwm, self.curve)
