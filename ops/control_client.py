@@ -16,7 +16,6 @@ from messages.registry import Message
 from services.runtime.curve import KEYS_ENV, CurveKeys, connect_curve, keys_from_env
 
 
-
 class _FromEnv:
     def __repr__(self) -> str:
         return f"FROM_ENV (the client keys of ${KEYS_ENV}, plaintext when unset)"
