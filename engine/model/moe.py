@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import use_kernels
 from engine.model.config import HASH_MOE, ModelConfig
+from engine.quant.packed import Packed, pack
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -74,7 +76,35 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(n, hidden, inter))
 
+    def expert_weights(self) -> list[torch.Tensor]:
+        """The plain expert weights (empty once packed)."""
+        return [self.gate_up_proj, self.down_proj] if "gate_up_proj" in self._parameters else []
+
+    def pack_(self, fmt: str, block: int = 128) -> None:
+        """Keep the expert weights in `fmt` (engine.quant.packed) from now on; frees the bf16 copies."""
+        with torch.no_grad():
+            gate_up, down = pack(self.gate_up_proj.detach(), fmt, block), pack(self.down_proj.detach(), fmt, block)
+        del self.gate_up_proj, self.down_proj
+        self.fmt, self.block = fmt, gate_up.block
+        for name, packed in (("gate_up", gate_up), ("down", down)):
+            self.register_buffer(f"{name}_data", packed.data)
+            self.register_buffer(f"{name}_scale", packed.scale)
+
+    @property
+    def packed(self) -> tuple[Packed, Packed] | None:
+        """(gate_up, down) as held: packed after `pack_`, else the bf16 parameters viewed as Packed."""
+        if "gate_up_proj" in self._parameters:
+            return Packed("bf16", self.gate_up_proj, None, (1, 1)), Packed("bf16", self.down_proj, None, (1, 1))
+        return (Packed(self.fmt, self.gate_up_data, self.gate_up_scale, self.block),
+                Packed(self.fmt, self.down_data, self.down_scale, self.block))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        if use_kernels(x):
+            from engine.kernels.moe_gemm import moe_forward
+            gate_up, down = self.packed
+            return moe_forward(x, weights, experts, gate_up, down, self.limit, v41=False)
+        if "gate_up_proj" not in self._parameters:
+            return self._looped(x, weights, experts)
         if _grouped_mm_ok(x, self.gate_up_proj):
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 return self._grouped(x, weights, experts)  # no fallback while a graph captures: it would sync
@@ -121,11 +151,20 @@ class RoutedExperts(nn.Module):
             if count == 0:
                 continue
             tokens = token_of[start : start + count]
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[expert])
+            gate_up, down = self._expert_weights(expert, x.dtype)
+            gate, up = F.linear(x[tokens], gate_up).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), down)
             out.index_add_(0, tokens, (y * slot_weight[start : start + count, None]).to(out.dtype))
             start += count
         return out
+
+
+    def _expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's (gate_up, down) matrices, dequantized when the weights are packed."""
+        if "gate_up_proj" in self._parameters:
+            return self.gate_up_proj[expert], self.down_proj[expert]
+        gate_up, down = self.packed
+        return tuple(Packed(p.fmt, p.data[expert], p.scale[expert], p.block).dequantize(dtype) for p in (gate_up, down))
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import use_kernels
 from engine.model.moe import clamped_swiglu
+from engine.quant.packed import Packed, pack
 from engine.v41.config import V41Config
 
 
@@ -65,9 +67,33 @@ class MoE(nn.Module):
         self.gate = Gate(config)
         self.experts = nn.ModuleList(Expert(config) for _ in range(config.n_routed_experts))
         self.shared_experts = Expert(config)
+        self.limit = config.swiglu_limit
+
+    def expert_weights(self) -> list[torch.Tensor]:
+        """The plain routed-expert weights (empty once packed)."""
+        return [w for e in self.experts for w in (e.w1.weight, e.w2.weight, e.w3.weight)]
+
+    def pack_(self, fmt: str, block: int = 32) -> None:
+        """Hold the routed experts stacked in `fmt` (the release: mxfp4) and drop the per-expert modules."""
+        with torch.no_grad():
+            gate_up = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in self.experts])
+            gate_up = pack(gate_up, fmt, block)
+            down = pack(torch.stack([e.w2.weight for e in self.experts]), fmt, block)
+        self.experts = nn.ModuleList()
+        for name, packed in (("gate_up", gate_up), ("down", down)):
+            self.register_buffer(f"{name}_data", packed.data)
+            self.register_buffer(f"{name}_scale", packed.scale)
+        self.fmt, self.block = fmt, gate_up.block
+
+    def stacked(self) -> tuple[Packed, Packed]:
+        """(gate_up [E, 2I, H], down [E, H, I]) as held after `pack_` (buffers, so they follow .to())."""
+        return (Packed(self.fmt, self.gate_up_data, self.gate_up_scale, self.block),
+                Packed(self.fmt, self.down_data, self.down_scale, self.block))
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         weights, experts = self.gate(x, image_mask)
+        if len(self.experts) == 0:  # packed by pack_
+            return self._packed(x, weights, experts) + self.shared_experts(x)
         routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
@@ -81,3 +107,27 @@ class MoE(nn.Module):
                 routed.index_add_(0, tokens, expert.w2(hidden).float())
                 start += count
         return routed.to(x.dtype) + self.shared_experts(x)
+
+    def _packed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.stacked()
+        if use_kernels(x):
+            from engine.kernels.moe_gemm import moe_forward
+            return moe_forward(x, weights, experts, gate_up, down, self.limit, v41=True)
+        # torch: the loop above with each touched expert dequantized (CPU tests of a packed model)
+        inter = gate_up.out_features // 2
+        routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=gate_up.data.shape[0]).tolist()
+        token_of, slot_weight = order // experts.shape[1], weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                w13 = Packed(gate_up.fmt, gate_up.data[expert], gate_up.scale[expert], gate_up.block).dequantize(x.dtype)
+                w2 = Packed(down.fmt, down.data[expert], down.scale[expert], down.block).dequantize(x.dtype)
+                tokens, w = token_of[start : start + count], slot_weight[start : start + count, None]
+                gate, up = F.linear(x[tokens], w13).float().split(inter, dim=-1)
+                hidden = (clamped_swiglu(gate, up, self.limit) * w).to(x.dtype)
+                routed.index_add_(0, tokens, F.linear(hidden, w2).float())
+                start += count
+        return routed.to(x.dtype)

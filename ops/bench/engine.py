@@ -50,6 +50,7 @@ Where each part lives (all under ops/bench/):
   engine_hf_model.py HF's DeepseekV4ForCausalLM built on our tensors (shared storage)
   engine_report.py   the tables, notes and the summary (vs HF, x floor)
   engine_weights_v41.py, engine_floor_v41.py   V4.1: released-format weights drawn in place, two floors
+  engine_formats.py  --weights released / --kernels compare: held bytes, the kernel-vs-torch logits check
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ from pathlib import Path
 
 from ops.bench.engine_device import _device_name, _free, _transformers_version, measure_rates
 from ops.bench.engine_floor import floor_row
+from ops.bench.engine_formats import AGREEMENT_TOKENS, compare_logits, held_bytes, last_logits
 from ops.bench.engine_floor_v41 import floor_row_v41
 from ops.bench.engine_hf import HF
 from ops.bench.engine_ours import Ours
@@ -97,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run our decode steps eagerly (batched) instead of replaying CUDA graphs")
     parser.add_argument("--layers", type=int, help="V4.1 configs: keep only the first N decoder layers")
+    parser.add_argument("--weights", choices=("model", "released"), default="model",
+                        help="model: every weight in --dtype (default); released: MXFP4 routed experts and FP8 "
+                             "linears as DeepSeek ships them, held packed by the kernel path")
+    parser.add_argument("--kernels", choices=("auto", "off", "compare"), default="auto",
+                        help="auto: fused kernels on CUDA (default); off: our torch path; compare: the torch path "
+                             "first, then the kernels, on the same weights (the table gains `vs torch`)")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="skip measurements that would end the run later than this (default 450 s)")
 
@@ -110,6 +118,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    from engine.kernels import kernel_mode
+    from engine.quant.pack_model import pack_model_
     if args.steps is not None and args.steps < 1:
         print("epd bench engine: --steps must be >= 1", file=sys.stderr)
         return 2
@@ -174,26 +185,76 @@ def run(args: argparse.Namespace) -> int:
             bench.log(f"one 64-token prompt: {bench.doc['sanity']}")
         else:
             bench.doc["floors"] = [floor_row(config, model, weights, rates, cell) for cell in cells]
-        ours = Ours(bench, model, model_dir, device, plan, cells, args.max_batched_tokens, prompts)
+        def run_hf():
+            if v41:  # said in every HF row, the notes and the JSON
+                bench.doc["hf"] = HF_NOT_RUN
+                for cell in cells:
+                    bench.add({"impl": "hf", "batch": cell.batch, "context": cell.context, "status": HF_NOT_RUN})
+            elif not args.skip_hf:
+                HF(bench, model, raw, config, device, dtype, plan, prompts).measure(cells)
+            _free(device)
+
+        def make_ours(impl: str) -> Ours:
+            return Ours(bench, model, model_dir, device, plan, cells, args.max_batched_tokens, prompts, impl=impl)
+
         big = max(cells, key=lambda c: c.batch * c.context)
-        ours.measure([c for c in cells if c != big])
-        ours.release_graphs()  # their memory pools would otherwise be taken from HF
-        _free(device)
-        if v41:  # said in every HF row, the notes and the JSON
-            bench.doc["hf"] = HF_NOT_RUN
-            for cell in cells:
-                bench.add({"impl": "hf", "batch": cell.batch, "context": cell.context, "status": HF_NOT_RUN})
-        elif not args.skip_hf:
-            HF(bench, model, raw, config, device, dtype, plan, prompts).measure(cells)
-        _free(device)
-        ours.measure([big])
-        ours.close()
+        if args.weights == "model" and args.kernels != "compare":
+            with kernel_mode(args.kernels):
+                ours = make_ours("ours")
+                ours.measure([c for c in cells if c != big])
+                ours.release_graphs()  # their memory pools would otherwise be taken from HF
+                _free(device)
+                run_hf()
+                ours.measure([big])
+                ours.close()
+        else:  # plain weights first (torch path, HF), then the kernel path (packed when released)
+            reference = formats_phase_one(bench, model, args, cells, big, prompts, make_ours, run_hf)
+            if args.weights == "released":
+                bench.doc["packed"] = pack_model_(model)
+                weights = held_bytes(model, weights)
+                bench.doc["weights_held"] = {k: weights[k] for k in ("dense", "routed", "expert")}
+                floor = (lambda cell: floor_row_v41(config, weights, rates, cell)) if v41 else \
+                    (lambda cell: floor_row(config, model, weights, rates, cell))
+                bench.doc["floors"] = [floor(cell) for cell in cells]
+                bench.log(f"packed: {bench.doc['packed']}; held now: dense {weights['dense'] / 1e9:.2f} GB, "
+                          f"{weights['expert'] / 1e6:.2f} MB per expert")
+            with kernel_mode("auto" if args.kernels == "compare" else args.kernels):
+                if reference is not None:
+                    prompt = prompts.batch(Cell(1, AGREEMENT_TOKENS), salt=2)[0]
+                    bench.doc["kernel_agreement"] = compare_logits(last_logits(model, prompt), reference)
+                    bench.log(f"kernels vs torch path on one {AGREEMENT_TOKENS}-token prompt: "
+                              f"{bench.doc['kernel_agreement']}")
+                ours = make_ours("ours")
+                ours.measure(cells)
+                ours.close()
     bench.doc["elapsed_s"] = round(bench.elapsed(), 1)
     summary = summarize(bench.rows, bench.doc["floors"], cells, plan)
     bench.doc["summary"] = summary
     bench.save(complete=True)
     print_report(bench, summary)
     return 0
+
+
+def formats_phase_one(bench, model, args, cells, big, prompts, make_ours, run_hf):
+    """Before packing: round the weights onto the release's grids (--weights released), measure the
+    torch path (--kernels compare) and HF on them. Returns the torch path's agreement logits, or None."""
+    from engine.kernels import kernel_mode
+    from engine.quant.pack_model import round_to_formats_
+    if args.weights == "released":
+        bench.doc["rounded"] = round_to_formats_(model)
+    if args.kernels != "compare":
+        run_hf()
+        return None
+    with kernel_mode("off"):
+        reference = last_logits(model, prompts.batch(Cell(1, AGREEMENT_TOKENS), salt=2)[0])
+        torch_path = make_ours("torch")
+        torch_path.measure([c for c in cells if c != big])
+        torch_path.release_graphs()
+        _free(model.device)
+        run_hf()
+        torch_path.measure([big])
+        torch_path.close()
+    return reference
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,8 +20,9 @@ class Ours(CellRunner):
     impl = "ours"
 
     def __init__(self, bench: Run, model, model_dir: Path, device, plan: dict, cells: list[Cell],
-                 max_batched_tokens: int, prompts: Prompts):
+                 max_batched_tokens: int, prompts: Prompts, impl: str = "ours"):
         super().__init__(bench, device, plan, prompts)
+        self.impl = impl  # "torch" for the torch-path baseline of --kernels compare
         self.model = model
         self.max_batched_tokens = max_batched_tokens
         max_batch = max(c.batch for c in cells)

@@ -15,6 +15,7 @@ def summarize(rows: list[dict], floors: list[dict], cells: list[Cell], plan: dic
     for kind in ("decode", "prefill"):
         for cell in cells:
             ours, hf = by.get(("ours", cell.batch, cell.context)), by.get(("hf", cell.batch, cell.context))
+            torch_path = by.get(("torch", cell.batch, cell.context))
             f = floor[cell.batch, cell.context]
             line = {"measure": kind, "batch": cell.batch, "context": cell.context}
             if kind == "decode":
@@ -22,6 +23,9 @@ def summarize(rows: list[dict], floors: list[dict], cells: list[Cell], plan: dic
                             floor=round(f["decode_floor_ms"], 3))
                 line["vs_hf"] = _ratio(line["hf"], line["ours"])
                 line["x_floor"] = _ratio(line["ours"], line["floor"])
+                if torch_path is not None:
+                    line["torch"] = _value(torch_path, "step_ms")
+                    line["vs_torch"] = _ratio(line["torch"], line["ours"])
                 if "decode_floor_ms_released" in f:  # V4.1: the floor of the release's formats too
                     line["floor_released"] = round(f["decode_floor_ms_released"], 3)
                     line["x_floor_released"] = _ratio(line["ours"], line["floor_released"])
@@ -30,6 +34,9 @@ def summarize(rows: list[dict], floors: list[dict], cells: list[Cell], plan: dic
                             hf=_value(hf, "prefill_tokens_per_s"), floor=round(f["prefill_floor_tokens_per_s"], 1))
                 line["vs_hf"] = _ratio(line["ours"], line["hf"])
                 line["x_floor"] = _ratio(line["floor"], line["ours"])
+                if torch_path is not None:
+                    line["torch"] = _value(torch_path, "prefill_tokens_per_s")
+                    line["vs_torch"] = _ratio(line["ours"], line["torch"])
             out.append(line)
     return out
 
@@ -84,6 +91,14 @@ def print_report(bench: Run, summary: list[dict]) -> None:
     table = [[f"{s['measure']} {s['unit']}", s["batch"], s["context"], _fmt(s["ours"]), _fmt(s["hf"]),
               _fmt(s["floor"]), _x(s["vs_hf"]), _x(s["x_floor"])] for s in summary]
     headers = ["measure", "batch", "context", "ours", "HF", "floor", "vs HF", "x floor"]
+    if any("vs_torch" in s for s in summary):  # --kernels compare: our torch path, same weights
+        headers += ["torch", "vs torch"]
+        table = [row + [_fmt(s.get("torch")), _x(s.get("vs_torch"))] for row, s in zip(table, summary)]
+        notes_k = doc.get("kernel_agreement")
+        if notes_k:
+            print(f"kernels vs torch path, last-token logits: {notes_k}", flush=True)
+    if doc.get("packed"):
+        print(f"packed for the kernel path: {doc['packed']}; floors from the bytes held after packing", flush=True)
     if released:  # V4.1: the decode floor of the release's formats and ours against it
         headers += ["floor q", "x floor q"]
         table = [row + [_fmt(s.get("floor_released")), _x(s.get("x_floor_released"))] for row, s in zip(table, summary)]
