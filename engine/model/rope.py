@@ -1,4 +1,8 @@
-"""Partial, interleaved rotary embeddings (plain RoPE and YaRN) applied to the last `rope_dim` channels."""
+"""Partial, interleaved rotary embeddings (plain RoPE and YaRN) applied to the last `rope_dim` channels.
+
+Where `use_kernels` says so, rotation (and a norm before it) runs as one Triton kernel
+(engine.kernels.rope_norm) with the same fp32 math: no torch.cat.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,9 @@ import math
 
 import torch
 
+from engine.kernels import use_kernels
 from engine.model.config import RopeSpec
+from engine.model.norms import RMSNorm, unweighted_rms_norm
 
 
 def inverse_frequencies(spec: RopeSpec, rope_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
@@ -71,6 +77,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos / sin are [T, rope_dim // 2] and broadcast over the middle (head) axes.
     Pass `-sin` to undo a rotation.
     """
+    if use_kernels(x):
+        from engine.kernels.rope_norm import rope  # Triton: imported only where kernels run
+
+        return rope(x, cos, sin)
     rope_dim = 2 * cos.shape[-1]
     while cos.dim() < x.dim():
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
@@ -79,3 +89,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos.float(), sin.float()
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
+
+
+def apply_rope_after_norm(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope(norm(x), cos, sin): one kernel (one read, one write of x) where kernels run."""
+    if use_kernels(x):
+        from engine.kernels.rope_norm import norm_rope
+
+        return norm_rope(x, norm.weight, norm.eps, cos, sin)
+    return apply_rope(norm(x), cos, sin)
+
+
+def apply_rope_after_unweighted_norm(x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope(unweighted_rms_norm(x, eps), cos, sin), the norm per head of x [T, H, D]; one kernel
+    where kernels run."""
+    if use_kernels(x):
+        from engine.kernels.rope_norm import norm_rope
+
+        return norm_rope(x, None, eps, cos, sin)
+    return apply_rope(unweighted_rms_norm(x, eps), cos, sin)

@@ -4,6 +4,9 @@ Two flavours: SWA-only layers use `rope_theta` as is; every compressed layer (an
 entries it reads) uses `compress_rope_theta` with YaRN that only rescales frequencies (unlike
 V4's YaRN there is no attention-factor multiplier on cos/sin). The rotation is a complex multiply
 in fp32, which is how the release rounds it; the result goes back to the input dtype.
+
+Where `use_kernels` says so, the rotation (and a norm before it) runs as one Triton kernel
+(engine.kernels.rope_norm), fed the same cos / sin torch.polar makes of the angles.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from __future__ import annotations
 import math
 
 import torch
+
+from engine.kernels import use_kernels
+from engine.model.norms import RMSNorm
 
 
 def rope_frequencies(theta: float, rope_dim: int, scaling: dict | None = None) -> torch.Tensor:
@@ -55,6 +61,10 @@ def apply_rope(values: torch.Tensor, angles: torch.Tensor, inverse: bool = False
     Channels (2i, 2i+1) form the complex number c_i, which is multiplied by exp(+-1j * angle_i).
     Middle (head) axes broadcast. `inverse` undoes a rotation (used on the attention output).
     """
+    if use_kernels(values):
+        from engine.kernels.rope_norm import rope  # Triton: imported only where kernels run
+
+        return rope(values, *_cos_sin(angles), inverse=inverse)
     width = 2 * angles.shape[-1]
     turn = torch.polar(torch.ones_like(angles), angles)
     while turn.dim() < values.dim():
@@ -64,3 +74,18 @@ def apply_rope(values: torch.Tensor, angles: torch.Tensor, inverse: bool = False
     pairs = torch.view_as_complex(values[..., -width:].float().unflatten(-1, (-1, 2)).contiguous())
     rotated = torch.view_as_real(pairs * turn).flatten(-2).to(values.dtype)
     return torch.cat([values[..., :-width], rotated], dim=-1)
+
+
+def _cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real and imaginary parts of the unit turns apply_rope multiplies by (fp32 views, no copy)."""
+    turn = torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
+    return turn[..., 0], turn[..., 1]
+
+
+def apply_rope_after_norm(values: torch.Tensor, norm: RMSNorm, angles: torch.Tensor) -> torch.Tensor:
+    """apply_rope(norm(values), angles): one kernel (one read, one write) where kernels run."""
+    if use_kernels(values):
+        from engine.kernels.rope_norm import norm_rope
+
+        return norm_rope(values, norm.weight, norm.eps, *_cos_sin(angles))
+    return apply_rope(norm(values), angles)
