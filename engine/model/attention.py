@@ -10,14 +10,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.kernels import use_kernels
 from engine.model.batch import ForwardBatch
 from engine.model.compressor import Indexer, WindowPooler
 from engine.model.config import CSA, HCA, SLIDING, ModelConfig
-from engine.model.norms import RMSNorm, unweighted_rms_norm
-from engine.model.rope import Rotary, apply_rope
+from engine.model.norms import RMSNorm
+from engine.model.rope import Rotary, apply_rope, apply_rope_after_norm, apply_rope_after_unweighted_norm
 from engine.model.state import SequenceKV
 
 QUERY_BLOCK = 256  # queries per attention block: bounds the score tensor for long prefills
+SCORE_ELEMENTS = 1 << 24  # the kernel path's indexer scores per chunk of queries (64 MiB of fp32)
 
 
 class GroupedLinear(nn.Linear):
@@ -66,8 +68,8 @@ class Attention(nn.Module):
         cos, sin = batch.rope[self.rope_flavour]
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).unflatten(-1, (self.n_heads, self.head_dim))
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        q = apply_rope_after_unweighted_norm(q, self.eps, cos, sin)  # one fused pass on a GPU
+        kv = apply_rope_after_norm(self.kv_proj(x), self.kv_norm, cos, sin)
         packed = {}
         if self.compressor is not None:
             packed["kv"], packed["gate"] = self.compressor.project(x)
@@ -105,6 +107,9 @@ class Attention(nn.Module):
             if self.layer_type == CSA:
                 indexer = self.compressor.indexer
                 index_keys = self._advance_batch(view, True, indexer, packed["ikv"], packed["igate"])
+            if entries is not None and use_kernels(q):
+                view.capture(self.layer)
+                return self._sparse_decode_batch(q, keys, mask, entries, index_keys, packed, view)
             if entries is not None:
                 entries, visible = entries
                 if index_keys is not None:
@@ -127,6 +132,10 @@ class Attention(nn.Module):
 
     def _softmax_attend_batch(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """`_softmax_attend` per sequence: q [B, H, D], keys [B, K, D], mask [B, K]."""
+        if use_kernels(q):
+            from engine.kernels.sparse_attention import masked_attention  # Triton: only where kernels run
+
+            return masked_attention(q, keys, mask, self.sinks, self.scale)
         logits = (torch.einsum("bhd,bkd->bhk", q, keys) * self.scale).float()
         logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
         sinks = self.sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
@@ -163,6 +172,8 @@ class Attention(nn.Module):
         keys = torch.cat([prior, kv])
         state.append_window(self.layer, kv, first_pos)
         entries, index_keys = self._advance_compressed(span, state, first_pos, first_pos + q.shape[0])
+        if use_kernels(q):
+            return self._sparse_piece(q, keys, window_start, entries, index_keys, span, first_pos)
         out = torch.empty_like(q)
         for lo in range(0, q.shape[0], QUERY_BLOCK):
             rows = slice(lo, min(lo + QUERY_BLOCK, q.shape[0]))
@@ -177,6 +188,45 @@ class Attention(nn.Module):
                 mask = torch.cat([mask, self._entry_mask(positions, n_visible, span, index_keys, rows)], dim=1)
             out[rows] = self._softmax_attend(q[rows], block_keys, mask)
         return out
+
+    def _sparse_piece(self, q, keys, window_start: int, entries, index_keys, span: dict, first_pos: int):
+        """`_attend_piece`'s attention by the sparse kernel: each query's rows of the window keys and
+        its entries (all visible ones, or the indexer's top-k as indices), no mask, no query blocks."""
+        from engine.kernels.sparse_attention import sparse_attention  # Triton: only where kernels run
+
+        positions = torch.arange(first_pos, first_pos + q.shape[0], device=q.device)
+        window_hi = positions + 1 - window_start  # rows of keys (which start at window_start)
+        window_lo = (window_hi - self.window).clamp(min=0)
+        if entries is None:
+            return sparse_attention(q, keys, window_lo, window_hi, None, self.sinks, self.scale)
+        counts = (positions + 1) // self.ratio
+        if self.layer_type == CSA and entries.shape[0] > self.compressor.indexer.top_k:
+            indexer = self.compressor.indexer
+            chunk = max(QUERY_BLOCK, SCORE_ELEMENTS // entries.shape[0])  # bounds the [n, E] scores
+            chosen = torch.cat([
+                indexer.top_k_indices(span["iq"][lo : lo + chunk], span["iw"][lo : lo + chunk], index_keys,
+                                      counts[lo : lo + chunk])
+                for lo in range(0, q.shape[0], chunk)
+            ])
+            return sparse_attention(q, keys, window_lo, window_hi, entries, self.sinks, self.scale, entry_idx=chosen)
+        return sparse_attention(q, keys, window_lo, window_hi, entries, self.sinks, self.scale, entry_count=counts)
+
+    def _sparse_decode_batch(self, q, window, window_mask, entries, index_keys, packed: dict, view):
+        """`_attend_decode_batch`'s attention by the sparse kernel, without concatenating the window and
+        the entries: (entries [B, E, D], visible [B, E]) as `view.entries` gives them; visible is a prefix."""
+        from engine.kernels.sparse_attention import sparse_attention  # Triton: only where kernels run
+
+        entries, visible = entries
+        counts = visible.sum(dim=1)
+        lo = torch.zeros_like(counts)
+        hi = torch.full_like(counts, window.shape[1])
+        indexer = self.compressor.indexer if self.layer_type == CSA else None
+        if indexer is not None and view.max_visible(self.ratio) > indexer.top_k:  # host-side: no sync
+            chosen = indexer.top_k_indices(packed["iq"], packed["iw"], index_keys[0], counts)
+            return sparse_attention(q, window, lo, hi, entries, self.sinks, self.scale, entry_idx=chosen,
+                                    window_mask=window_mask)
+        return sparse_attention(q, window, lo, hi, entries, self.sinks, self.scale, entry_count=counts,
+                                window_mask=window_mask)
 
     def _advance_compressed(self, span: dict, state: SequenceKV, start: int, end: int):
         """Pool the new tokens [start, end) into compressed entries (and CSA indexer keys); return all
@@ -234,6 +284,10 @@ class Attention(nn.Module):
 
     def _softmax_attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One softmax over the visible keys plus a per-head sink logit; keys double as values."""
+        if use_kernels(q):
+            from engine.kernels.sparse_attention import masked_attention  # Triton: only where kernels run
+
+            return masked_attention(q, keys, mask, self.sinks, self.scale)
         logits = (torch.einsum("qhd,kd->qhk", q, keys) * self.scale).float()
         if mask is not None:
             logits = logits.masked_fill(~mask[:, None, :], float("-inf"))

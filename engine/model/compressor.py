@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.kernels import use_kernels
 from engine.model.config import ModelConfig
 from engine.model.norms import RMSNorm
 from engine.model.rope import Rotary, apply_rope
@@ -147,7 +148,10 @@ class Indexer(WindowPooler):
         visible = entry[None, :] < ((positions + 1) // self.ratio)[:, None]
         if keys.shape[0] <= self.top_k:
             return visible
-        scores = self.scorer(q, keys, head_weights).masked_fill(~visible, float("-inf"))
+        if use_kernels(q):
+            scores = self._fused_scores(q, head_weights, keys, (positions + 1) // self.ratio)
+        else:
+            scores = self.scorer(q, keys, head_weights).masked_fill(~visible, float("-inf"))
         # A stable descending sort keeps equal scores in index order: deterministic for any shape.
         chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
         selected = torch.zeros_like(visible).scatter_(1, chosen, True)
@@ -158,6 +162,23 @@ class Indexer(WindowPooler):
         `scored` False (no sequence sees more than top_k entries): every visible entry."""
         if not scored:
             return visible
-        scores = self.scorer.batched(q, keys, head_weights).masked_fill(~visible, float("-inf"))
+        if use_kernels(q):
+            scores = self._fused_scores(q, head_weights, keys, visible.sum(dim=1))  # visible: a prefix
+        else:
+            scores = self.scorer.batched(q, keys, head_weights).masked_fill(~visible, float("-inf"))
         chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
         return torch.zeros_like(visible).scatter_(1, chosen, True) & visible
+
+    def top_k_indices(self, q, head_weights, keys, visible_count: torch.Tensor) -> torch.Tensor:
+        """The kernel path's `select` as a list: the entries each query attends, [n, top_k] int32, -1 for
+        none. keys [E, d] shared or [n, E, d] per query (E > top_k); query i sees entries [0, count[i]).
+        The same choice as `select` (stable sort: equal scores keep the lower index); no host syncs."""
+        scores = self._fused_scores(q, head_weights, keys, visible_count)
+        chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+        return torch.where(chosen < visible_count[:, None], chosen, -1).to(torch.int32)
+
+    def _fused_scores(self, q, head_weights, keys, visible_count: torch.Tensor) -> torch.Tensor:
+        """`IndexScorer` by one fused kernel: [n, E] fp32, -inf where not visible."""
+        from engine.kernels.index_scores import index_scores  # Triton: only where kernels run
+
+        return index_scores(q, head_weights, keys, self.scorer.softmax_scale, visible_count)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import use_kernels
 from engine.model.config import ModelConfig
 from engine.model.norms import unweighted_rms_norm
 
@@ -103,6 +104,10 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if use_kernels(streams) and streams.dim() == 3:
+            from engine.kernels.mhc import hc_v4_site
+
+            return hc_v4_site(streams, self.fn, self.base, self.scale, self.n, self.iters, self.hc_eps, self.norm_eps)
         n = self.n
         flat = unweighted_rms_norm(streams.flatten(-2).float(), self.norm_eps)
         mixes = F.linear(flat, self.fn.float())
@@ -119,6 +124,12 @@ class HyperConnection(nn.Module):
 
 def merge_streams(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
     """New streams: post-weighted block output plus comb-mixed residual (out_k = sum_j comb[j, k] in_j)."""
+    if use_kernels(streams) and (
+        streams.dim() == 3 and block_out.shape == streams[:, 0].shape and block_out.dtype == streams.dtype
+    ):
+        from engine.kernels.mhc_merge import hc_merge
+
+        return hc_merge(streams, block_out, post, comb, v41=False)
     dtype = streams.dtype
     mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
@@ -137,6 +148,10 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        if use_kernels(streams) and streams.dim() == 3:
+            from engine.kernels.mhc import hc_v4_head
+
+            return hc_v4_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps)
         flat = unweighted_rms_norm(streams.flatten(-2).float(), self.norm_eps)
         mixes = F.linear(flat, self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps

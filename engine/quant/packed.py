@@ -15,6 +15,7 @@ as uint8 (the raw e8m0 byte, value 2**(byte - 127)): Triton reads bytes, not flo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -73,19 +74,34 @@ def pack(weight: torch.Tensor, fmt: str, block: int = 128) -> Packed:
         raise ValueError(f"weight format must be one of {FORMATS}, got {fmt!r}")
     if fmt == "bf16":
         return Packed("bf16", weight, None, (1, 1))
-    lead, (rows, columns) = weight.shape[:-2], weight.shape[-2:]
-    mats = weight.reshape(-1, rows, columns)
-    if fmt == "fp8":
-        parts = [quantize_fp8(m, block, block) for m in mats]
-        shape = (block, block)
-    else:
-        if columns % GROUP:
-            raise ValueError(f"MXFP4 needs input features divisible by {GROUP}, got {columns}")
-        parts = [quantize_mxfp4(m) for m in mats]
-        shape = (1, GROUP)
-    data = torch.stack([p[0] for p in parts])
-    scale = torch.stack([exponent_bytes(p[1]) for p in parts])
-    return Packed(fmt, data.reshape(*lead, *data.shape[1:]), scale.reshape(*lead, *scale.shape[1:]), shape)
+    lead = weight.shape[:-2]
+    mats = weight.reshape(-1, *weight.shape[-2:])
+    packed = pack_stack(iter(mats), len(mats), fmt, block)
+    return Packed(fmt, packed.data.reshape(*lead, *packed.data.shape[1:]),
+                  packed.scale.reshape(*lead, *packed.scale.shape[1:]), packed.block)
+
+
+def pack_stack(matrices: Iterator[torch.Tensor], count: int, fmt: str, block: int = 128) -> Packed:
+    """Quantize `count` same-shaped matrices into one stacked Packed [count, N, K'], filling a
+    preallocated output: peak memory is the packed stack plus one matrix (a whole bf16 stack of
+    experts need never exist; the matrices may be built one by one)."""
+    if fmt not in FORMATS or fmt == "bf16":
+        raise ValueError(f"quantized weight format must be 'fp8' or 'mxfp4', got {fmt!r}")
+    data = scale = None
+    for i, matrix in enumerate(matrices):
+        if fmt == "fp8":
+            values, scales = quantize_fp8(matrix, block, block)
+        else:
+            if matrix.shape[-1] % GROUP:
+                raise ValueError(f"MXFP4 needs input features divisible by {GROUP}, got {matrix.shape[-1]}")
+            values, scales = quantize_mxfp4(matrix)
+        if data is None:
+            data = values.new_empty(count, *values.shape)
+            scale = torch.empty(count, *scales.shape, dtype=torch.uint8, device=values.device)
+        data[i], scale[i] = values, exponent_bytes(scales)
+    if data is None:
+        raise ValueError("nothing to pack")
+    return Packed(fmt, data, scale, (block, block) if fmt == "fp8" else (1, GROUP))
 
 
 def from_checkpoint(fmt: str, data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> Packed:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import use_kernels
 from engine.model.hyper import mix_matrix
 from engine.v41.config import V41Config
 
@@ -41,6 +42,12 @@ def predict_mix(streams: torch.Tensor, fn, base, scale, config: V41Config) -> Mi
     The projection runs on the raw flattened streams and is scaled by their inverse RMS after
     (the release's order), and scale and base enter as one fused multiply-add.
     """
+    if use_kernels(streams) and streams.dim() == 3:
+        from engine.kernels.mhc import hc_v41_site
+
+        pre, post, comb, _ = hc_v41_site(streams, fn, base, scale, config.hc_mult, config.hc_sinkhorn_iters,
+                                         config.hc_eps, config.rms_norm_eps)
+        return Mix(pre, post, comb)
     n = config.hc_mult
     flat = streams.flatten(-2).float()
     inverse_rms = torch.rsqrt(flat.square().mean(-1, keepdim=True) + config.rms_norm_eps)
@@ -62,11 +69,33 @@ def first_pre(num_tokens: int, config: V41Config, device) -> torch.Tensor:
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """[T, N, H] streams weighted by `pre` [T, N] -> [T, H], summed in fp32."""
+    if use_kernels(streams) and streams.dim() == 3:
+        from engine.kernels.mhc_merge import hc_collapse
+
+        return hc_collapse(streams, pre)
     return (pre.unsqueeze(-1) * streams.float()).sum(-2).to(streams.dtype)
 
 
 def expand(output: torch.Tensor, residual: torch.Tensor, mix: Mix) -> torch.Tensor:
     """New streams: stream k = post[k] * output + sum_j comb[j, k] * residual[j], in fp32."""
+    if use_kernels(residual) and residual.dim() == 3 and output.shape == residual[:, 0].shape:
+        from engine.kernels.mhc_merge import hc_merge
+
+        return hc_merge(residual, output, mix.post, mix.comb, v41=True)
     update = mix.post.unsqueeze(-1) * output.unsqueeze(-2)
     mixed = (mix.comb.unsqueeze(-1) * residual.unsqueeze(-2)).sum(-3)
     return (update + mixed).to(output.dtype)
+
+
+def mix_and_collapse(streams: torch.Tensor, pre: torch.Tensor, fn, base, scale,
+                     config: V41Config) -> tuple[Mix, torch.Tensor]:
+    """One site's `predict_mix(streams, ...)` and `collapse(streams, pre)` (pre: the previous
+    site's); the kernel path reads the streams once for both."""
+    if use_kernels(streams) and streams.dim() == 3:
+        from engine.kernels.mhc import hc_v41_site
+
+        new_pre, post, comb, collapsed = hc_v41_site(streams, fn, base, scale, config.hc_mult,
+                                                     config.hc_sinkhorn_iters, config.hc_eps,
+                                                     config.rms_norm_eps, collapse_pre=pre)
+        return Mix(new_pre, post, comb), collapsed
+    return predict_mix(streams, fn, base, scale, config), collapse(streams, pre)

@@ -63,11 +63,13 @@ class Block(nn.Module):
         if self.engram is not None:
             rows = batch.engram_rows[:, self.engram.hash_index]
             streams = self.engram(streams, rows, ~batch.engram_dead)
-        attn_mix = hyper.predict_mix(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.config)
-        attended = self.attn(self.attn_norm(hyper.collapse(streams, pre)), batch)
+        attn_mix, collapsed = hyper.mix_and_collapse(streams, pre, self.hc_attn_fn, self.hc_attn_base,
+                                                     self.hc_attn_scale, self.config)
+        attended = self.attn(self.attn_norm(collapsed), batch)
         streams = hyper.expand(attended, streams, attn_mix)
-        ffn_mix = hyper.predict_mix(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.config)
-        out = self.ffn(self.ffn_norm(hyper.collapse(streams, attn_mix.pre)), batch.image_mask)
+        ffn_mix, collapsed = hyper.mix_and_collapse(streams, attn_mix.pre, self.hc_ffn_fn, self.hc_ffn_base,
+                                                    self.hc_ffn_scale, self.config)
+        out = self.ffn(self.ffn_norm(collapsed), batch.image_mask)
         return hyper.expand(out, streams, ffn_mix), ffn_mix.pre
 
 

@@ -43,7 +43,7 @@ def _is_routed(name: str) -> bool:
 def last_logits(model, prompt) -> "torch.Tensor":
     """fp32 logits of the last position of one prompt [T] on a fresh state."""
     import torch
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference_mode: CUDA graphs captured here are replayed by the engine later
         return model([prompt.to(model.device)], [model.new_state()])[0].float()
 
 

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from engine.kernels import kernel_mode
 from engine.kv.manager import KVCache
 from engine.kv.paged_state import PagedState
 from engine.kv.tails import TailRings, pack_tails
@@ -147,13 +148,21 @@ def bench8_narrow(dtype):
 CUDA_LENGTHS = (1, 5, 127, 300, 2047, 2051, 2100, 4000)  # up to 1000 entries: the top-k selects
 
 
+KERNELS_BF16_GAP = pytest.mark.xfail(strict=True, reason=(
+    "H200, 2026-12-01: with the fused kernels in bf16 the batched and per-sequence decode paths (two "
+    "different attention kernels) differ by 0.26 relative, against 0.05 for the torch path; the gap comes "
+    "from one sequence just past the indexer's top-k, where bf16 noise flips a near-tied selection"))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_on_cuda_with_bench8_widths_past_the_top_k(dtype):
+@pytest.mark.parametrize("dtype,kernels", [(torch.float32, "off"), (torch.bfloat16, "off"), (torch.float32, "auto"),
+                                           pytest.param(torch.bfloat16, "auto", marks=KERNELS_BF16_GAP)])
+def test_on_cuda_with_bench8_widths_past_the_top_k(dtype, kernels):
     model = bench8_narrow(dtype)
     model.decode_graphs.enabled = False
-    batched, states, _ = lockstep(model, CUDA_LENGTHS, 6, batched=True)
-    alone, reference, _ = lockstep(model, CUDA_LENGTHS, 6, batched=False)
+    with kernel_mode(kernels):
+        batched, states, _ = lockstep(model, CUDA_LENGTHS, 6, batched=True)
+        alone, reference, _ = lockstep(model, CUDA_LENGTHS, 6, batched=False)
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     err = rel_err(alone, batched)
     print(f"cuda {dtype}: batched vs per-sequence logits rel err {err:.2e}, argmax equal "
