@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.kernels import use_kernels
 from engine.model.moe import clamped_swiglu
-from engine.quant.packed import Packed, pack
+from engine.quant.packed import Packed, pack_stack
 from engine.v41.config import V41Config
 
 
@@ -75,10 +75,10 @@ class MoE(nn.Module):
 
     def pack_(self, fmt: str, block: int = 32) -> None:
         """Hold the routed experts stacked in `fmt` (the release: mxfp4) and drop the per-expert modules."""
-        with torch.no_grad():
-            gate_up = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in self.experts])
-            gate_up = pack(gate_up, fmt, block)
-            down = pack(torch.stack([e.w2.weight for e in self.experts]), fmt, block)
+        count = len(self.experts)
+        with torch.no_grad():  # expert by expert: a stacked bf16 copy of a layer's experts is ~17 GiB
+            gate_up = pack_stack((torch.cat([e.w1.weight, e.w3.weight]) for e in self.experts), count, fmt, block)
+            down = pack_stack((e.w2.weight for e in self.experts), count, fmt, block)
         self.experts = nn.ModuleList()
         for name, packed in (("gate_up", gate_up), ("down", down)):
             self.register_buffer(f"{name}_data", packed.data)
