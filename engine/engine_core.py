@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from engine.grammar import GrammarState
 
 
+WEIGHT_FORMATS = ("model", "released")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model_dir: str
@@ -51,6 +54,9 @@ class EngineConfig:
     bounded_replay: bool = True  # V4.1: a prefix hit without a saved window replays its last block (kv/manager.py)
     replay_trim: bool = True  # V4.1: a replay runs the layers above the last KV source on its last 128 rows only
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA devices only; eager otherwise)
+    # "released": hold MXFP4 routed experts and FP8 linears (engine/quant/pack_model.py), read directly by
+    # the fused kernels on a GPU; "model": every weight in the model dtype
+    weights: str = "model"
     # CPU threads of this process's torch ops; 0 leaves torch's default (one per core). Engines that
     # share a machine (a prefill and a decode worker) each want their share: oversubscribed OpenMP
     # threads spin against each other and a step can take 10x longer.
@@ -68,6 +74,8 @@ class EngineConfig:
         for name in ("num_pages", "max_num_seqs", "max_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len!r}")
         if not isinstance(self.torch_threads, int) or self.torch_threads < 0:
@@ -130,10 +138,15 @@ class EngineCore:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)   # process-wide: an engine owns its process
         self.model = load_model(config.model_dir, config.device, config.dtype)
+        if config.weights == "released":
+            from engine.quant.pack_model import pack_model_
+            pack_model_(self.model)
         if hasattr(self.model, "decode_graphs"):  # V4's CUDA-graph decode; V4.1 runs eager for now
             self.model.decode_graphs.enabled = config.cuda_graphs
         model_config = self.model.config
-        self.model_id = model_identity(config.model_dir, str(self.model.dtype))
+        # packed weights compute other numbers: their KV must not mix with a plain engine's
+        numerics = str(self.model.dtype) + ("" if config.weights == "model" else f"+{config.weights}")
+        self.model_id = model_identity(config.model_dir, numerics)
         limit = config.max_model_len or model_config.max_position_embeddings
         self.max_len = min(limit, model_config.max_position_embeddings, config.num_pages * BLOCK_TOKENS)
         self.kv = KVCache(model_config, config.num_pages, config.max_num_seqs, self.model.device, self.model.dtype,

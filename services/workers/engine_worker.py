@@ -34,7 +34,7 @@ from services.workers.tensors import to_frame
 
 ENGINE_KEYS = ("model_dir", "device", "dtype", "num_pages", "max_num_seqs", "max_batched_tokens",
                "enable_prefix_cache", "batch_invariant", "max_model_len", "swa_cache_bytes", "bounded_replay",
-               "replay_trim", "cuda_graphs", "torch_threads")   # engine.engine_core.EngineConfig's fields (a test keeps them equal)
+               "replay_trim", "cuda_graphs", "torch_threads", "weights")   # engine.engine_core.EngineConfig's fields (a test keeps them equal)
 
 
 @dataclass(slots=True, frozen=True)

@@ -100,3 +100,25 @@ def test_unknown_formats_are_refused(tiny_model):
         pack_model_(copy.deepcopy(tiny_model(0)), experts="int4")
     with pytest.raises(ValueError, match="linears must be one of|experts must be one of"):
         pack_model_(copy.deepcopy(tiny_model(0)), linears="mxfp4")
+
+
+def test_an_engine_serves_released_weights_with_its_own_identity(tiny_dir):
+    from engine.engine_core import EngineConfig, EngineCore, EngineRequest
+    from messages.common import SamplingParams
+
+    with pytest.raises(ValueError, match="weights must be one of"):
+        EngineConfig(model_dir=str(tiny_dir(0)), weights="int4")
+    plain = EngineCore(EngineConfig(model_dir=str(tiny_dir(0)), dtype="float32", num_pages=16))
+    packed = EngineCore(EngineConfig(model_dir=str(tiny_dir(0)), dtype="float32", num_pages=16, weights="released"))
+    assert any(isinstance(m, PackedLinear) for m in packed.model.modules())
+    assert packed.model_id != plain.model_id  # their KV blocks must never be shared
+    prompt = make_prompt(20, seed=4).tolist()
+    for engine in (plain, packed):
+        engine.add_request(EngineRequest("r", prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
+    tokens = {}
+    for name, engine in (("plain", plain), ("packed", packed)):
+        out = []
+        while engine.has_unfinished():
+            out += [t for o in engine.step() for t in o.new_token_ids]
+        tokens[name] = out
+    assert len(tokens["packed"]) == 4 and len(tokens["plain"]) == 4
