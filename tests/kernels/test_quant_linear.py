@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="the kernels need Triton (the `gpu` extra); CI installs without it")
+
 from engine.kernels.quant_linear import quant_linear, quant_linear_reference
 from engine.quant.packed import pack
 
