@@ -227,7 +227,8 @@ def moe_forward(
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """The model's SwiGLU (engine.model.moe.clamped_swiglu; not imported: the model will import us)."""
+    """The model's SwiGLU (engine.model.moe.clamped_swiglu; not imported: the model imports this
+    module, and the layout test forbids import cycles, lazy ones included)."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 

@@ -164,8 +164,7 @@ class RoutedExperts(nn.Module):
         """One expert's (gate_up, down) matrices, dequantized when the weights are packed."""
         if "gate_up_proj" in self._parameters:
             return self.gate_up_proj[expert], self.down_proj[expert]
-        gate_up, down = self.packed
-        return tuple(Packed(p.fmt, p.data[expert], p.scale[expert], p.block).dequantize(dtype) for p in (gate_up, down))
+        return tuple(p.expert(expert).dequantize(dtype) for p in self.packed)
 
 
 # bf16 experts: the fused kernel for decode-sized batches (it streams the weights at ~4.3 TB/s where

@@ -60,6 +60,11 @@ class Packed(NamedTuple):
             mats = [dequantize_mxfp4(d, s, dtype) for d, s in zip(data, scale)]
         return torch.stack(mats).reshape(*lead, self.out_features, self.in_features)
 
+    def expert(self, index: int) -> "Packed":
+        """One matrix of a stack (a routed expert)."""
+        scale = None if self.scale is None else self.scale[index]
+        return Packed(self.fmt, self.data[index], scale, self.block)
+
     def to(self, device) -> "Packed":
         scale = None if self.scale is None else self.scale.to(device)
         return Packed(self.fmt, self.data.to(device), scale, self.block)

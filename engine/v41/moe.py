@@ -94,40 +94,36 @@ class MoE(nn.Module):
         weights, experts = self.gate(x, image_mask)
         if len(self.experts) == 0:  # packed by pack_
             return self._packed(x, weights, experts) + self.shared_experts(x)
+        return self._loop(x, weights, experts, len(self.experts),
+                          lambda e, rows, w: self.experts[e].w2((self.experts[e].activation(rows) * w).to(x.dtype))
+                          ) + self.shared_experts(x)
+
+    def _loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, n_experts: int, run) -> torch.Tensor:
+        """Routed outputs summed in fp32, expert by expert; run(e, rows, w) gives expert e's output
+        for its token rows, w being their routing weights [n, 1] (applied before the down projection)."""
         routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat, minlength=n_experts).tolist()
         token_of, slot_weight = order // experts.shape[1], weights.flatten()[order]
         start = 0
-        for expert, count in zip(self.experts, counts):
+        for expert, count in enumerate(counts):
             if count:
                 tokens, w = token_of[start : start + count], slot_weight[start : start + count, None]
-                hidden = (expert.activation(x[tokens]) * w).to(x.dtype)
-                routed.index_add_(0, tokens, expert.w2(hidden).float())
+                routed.index_add_(0, tokens, run(expert, x[tokens], w).float())
                 start += count
-        return routed.to(x.dtype) + self.shared_experts(x)
+        return routed.to(x.dtype)
 
     def _packed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.stacked()
         if use_kernels(x):
             from engine.kernels.moe_gemm import moe_forward
             return moe_forward(x, weights, experts, gate_up, down, self.limit, v41=True)
-        # torch: the loop above with each touched expert dequantized (CPU tests of a packed model)
         inter = gate_up.out_features // 2
-        routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=gate_up.data.shape[0]).tolist()
-        token_of, slot_weight = order // experts.shape[1], weights.flatten()[order]
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                w13 = Packed(gate_up.fmt, gate_up.data[expert], gate_up.scale[expert], gate_up.block).dequantize(x.dtype)
-                w2 = Packed(down.fmt, down.data[expert], down.scale[expert], down.block).dequantize(x.dtype)
-                tokens, w = token_of[start : start + count], slot_weight[start : start + count, None]
-                gate, up = F.linear(x[tokens], w13).float().split(inter, dim=-1)
-                hidden = (clamped_swiglu(gate, up, self.limit) * w).to(x.dtype)
-                routed.index_add_(0, tokens, F.linear(hidden, w2).float())
-                start += count
-        return routed.to(x.dtype)
+
+        def run(expert: int, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # dequantized per call (CPU)
+            gate, up = F.linear(rows, gate_up.expert(expert).dequantize(x.dtype)).float().split(inter, dim=-1)
+            hidden = (clamped_swiglu(gate, up, self.limit) * w).to(x.dtype)
+            return F.linear(hidden, down.expert(expert).dequantize(x.dtype))
+
+        return self._loop(x, weights, experts, gate_up.data.shape[0], run)
