@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 # The default model: random weights in the tiny V4.1 shape, written in the released V4.1 checkpoint layout
 # (FP8 / MXFP4), with our V4.1 tokenizer (the V4 vocabulary); made here, never downloaded.
 model: $(MODEL)/config.json
-$(MODEL)/config.json: engine/configs/tiny-v41.json engine/v41/random_init.py | $(STAMP)
+$(MODEL)/config.json: engine/configs/tiny-v41.json engine/models/v41/random_init.py | $(STAMP)
 	$(VENV)/bin/epd model init --arch v4.1 --seed 0 --out $(MODEL)
 
 up: install model

@@ -24,7 +24,7 @@ import torch
 from engine.kv.manager import KVCache
 from engine.kv.snapshot import make_boundary_snapshot, make_snapshot, parse_boundary_snapshot, parse_snapshot
 from engine.loading import load_model
-from engine.model.loader import DTYPES
+from engine.models.v4.loader import DTYPES
 from engine.runner import ModelRunner
 from engine.sampling import make_generator, validate_sampling_params
 from engine.scheduler import Scheduler, Sequence, SequenceStatus

@@ -11,7 +11,7 @@ import torch
 
 def model_arch(model_dir: str | Path) -> str:
     """"v4.1" or "v4", from the directory's config.json."""
-    from engine.v41.config import is_v41
+    from engine.models.v41.config import is_v41
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     return "v4.1" if is_v41(raw) else "v4"
@@ -19,9 +19,9 @@ def model_arch(model_dir: str | Path) -> str:
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None):
     if model_arch(model_dir) == "v4.1":
-        from engine.v41.loader import load_v41_model
+        from engine.models.v41.loader import load_v41_model
 
         return load_v41_model(model_dir, device, dtype)
-    from engine.model.loader import load_model as load_v4_model
+    from engine.models.v4.loader import load_model as load_v4_model
 
     return load_v4_model(model_dir, device, dtype)

@@ -12,7 +12,7 @@ import torch
 
 from engine.grammar.mask import apply_token_bitmask_, fill_bitmasks
 from engine.kv.manager import KVCache
-from engine.model.model import DeepseekV4
+from engine.models.v4.model import DeepseekV4
 from engine.sampling import SampleResult, sample, seed_step
 from engine.sampling.logprobs import chosen_logprobs, raw_logprobs, top_logprobs
 from engine.scheduler.sequence import Sequence

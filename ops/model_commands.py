@@ -29,11 +29,11 @@ def cmd_init(args: argparse.Namespace) -> int:
     if args.arch == "v4.1":
         if args.dtype is not None:
             raise SystemExit("epd model init: --dtype applies to --arch v4 only (v4.1 writes the released formats)")
-        from engine.v41.random_init import write_random_v41_model_dir
+        from engine.models.v41.random_init import write_random_v41_model_dir
 
         out = write_random_v41_model_dir(config, args.out, seed=args.seed, vocab_size=args.vocab_size)
     else:
-        from engine.model.random_init import write_random_model_dir
+        from engine.models.v4.random_init import write_random_model_dir
 
         out = write_random_model_dir(config, args.out, seed=args.seed, vocab_size=args.vocab_size,
                                      dtype=args.dtype or "bfloat16")

@@ -1,7 +1,7 @@
 """`epd replay-check`: the seeds' two-level equivalence check of bounded replay (V4.1 models).
 
 Level 1 (metadata) must hold exactly; level 2 prints how far replay's teacher-forced log-probs are
-from a full recompute, against the pass marks in engine.v41.replay_check.THRESHOLDS. Replay is
+from a full recompute, against the pass marks in engine.models.v41.replay_check.THRESHOLDS. Replay is
 trimmed as the engine runs it (T = max(H - 128, L - 128): the upper layers' first row); level 2
 compares the rows with logits, and shows replay without trim and no replay on the same rows.
 """
@@ -25,7 +25,7 @@ def cmd_replay_check(args: argparse.Namespace) -> int:
     import torch
 
     from engine.loading import load_model, model_arch
-    from engine.v41.replay_check import THRESHOLDS, Agreement, check_prompt, sample_prompts
+    from engine.models.v41.replay_check import THRESHOLDS, Agreement, check_prompt, sample_prompts
 
     if model_arch(args.model) != "v4.1":
         print(f"{args.model} is not a V4.1 model: bounded replay is a V4.1 mechanism")

@@ -12,7 +12,7 @@ V41_MODEL_NAME = "deepseek-v41-tiny"
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny V4 model (real vocabulary, seed 0), written once per session; the V4 stack tests serve it."""
-    from engine.model.random_init import write_random_model_dir
+    from engine.models.v4.random_init import write_random_model_dir
     out = tmp_path_factory.mktemp("models") / MODEL_NAME
     write_random_model_dir("tiny", out, seed=0)
     return out
@@ -21,7 +21,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_v41_model_dir(tmp_path_factory) -> Path:
     """The default stack's model: `epd model init --arch v4.1` (tiny V4.1, released layout, seed 0)."""
-    from engine.v41.random_init import write_random_v41_model_dir
+    from engine.models.v41.random_init import write_random_v41_model_dir
     out = tmp_path_factory.mktemp("models41") / V41_MODEL_NAME
     write_random_v41_model_dir("tiny-v41", out, seed=0)
     return out

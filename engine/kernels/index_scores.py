@@ -1,6 +1,6 @@
 """The lightning indexer's scores in one kernel: score[t, e] = sum_h w[t, h] * ReLU(q[t, h] . k[e]) * scale.
 
-Reference: `engine.model.compressor.IndexScorer` (and `.batched`). One program per (query, block of
+Reference: `engine.models.v4.compressor.IndexScorer` (and `.batched`). One program per (query, block of
 entries): the query's heads are the MMA's M dimension, the ReLU, the head weights and the sum over
 heads stay in registers, so the [T, h, E] tensor the reference builds never exists. Entries a
 query cannot see (rows >= its visible count) get -inf, and blocks it cannot see at all are never

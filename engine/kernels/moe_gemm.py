@@ -9,8 +9,8 @@ moe_forward runs three kernels over the expert-sorted, block-padded slots of `mo
   3. combine: each token's k rows added in that order.
 No atomics anywhere: the same inputs give bitwise the same output.
 
-Rounding follows the model code (engine.model.moe.RoutedExperts._grouped for V4,
-engine.v41.moe.MoE for V4.1). Gate, up and the down output are rounded to x.dtype, as the
+Rounding follows the model code (engine.models.v4.moe.RoutedExperts._grouped for V4,
+engine.models.v41.moe.MoE for V4.1). Gate, up and the down output are rounded to x.dtype, as the
 reference's matmuls return x.dtype. V4: SwiGLU in x.dtype (silu rounded, then the product), the
 slot's output times its routing weight rounded to x.dtype, the k outputs summed in x.dtype.
 V4.1: SwiGLU in fp32 times the routing weight, rounded to x.dtype before the down projection; the
@@ -227,7 +227,7 @@ def moe_forward(
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """The model's SwiGLU (engine.model.moe.clamped_swiglu; not imported: the model imports this
+    """The model's SwiGLU (engine.models.v4.moe.clamped_swiglu; not imported: the model imports this
     module, and the layout test forbids import cycles, lazy ones included)."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 

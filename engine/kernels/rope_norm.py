@@ -5,7 +5,7 @@ arithmetic is the same (the row reductions sum in another order, so norms may di
 place of their fp32 scale):
 
   rms_norm(x, weight, eps)            RMSNorm.forward (weight) / unweighted_rms_norm (weight None)
-  rope(x, cos, sin, inverse)          engine.model.rope.apply_rope (and V4.1's, given cos/sin of its angles)
+  rope(x, cos, sin, inverse)          engine.models.v4.rope.apply_rope (and V4.1's, given cos/sin of its angles)
   norm_rope(x, weight, eps, cos, sin) apply_rope(norm(x), cos, sin), the norm's rounding to x.dtype kept
 
 Rope rotates consecutive channel pairs of the trailing 2 * pairs channels of x [T, ..., D] and

@@ -9,7 +9,7 @@ softmax runs online in fp32 with the sink folded in from the start (running max 
 it weighs in the denominator and adds no value, and a query with no keys gets zeros, as the
 reference's softmax over [-inf..., sink] gives).
 
-Reference: `engine.model.attention.Attention._softmax_attend` with the equivalent dense mask.
+Reference: `engine.models.v4.attention.Attention._softmax_attend` with the equivalent dense mask.
 Rounding follows it where it is cheap: logits are rounded to the activation dtype before and after
 the scale (the reference's einsum output and its scaled copy), then fp32. What differs: the dot
 products accumulate in another order, and the probabilities that multiply the values are

@@ -27,7 +27,7 @@ from engine.kv.page_pool import PageLayout, PagePool
 from engine.kv.paged_state import PagedState
 from engine.kv.swa import BoundaryCache, BoundaryState, SwaSlots
 from engine.kv.tails import TailRings
-from engine.model.config import ModelConfig
+from engine.models.v4.config import ModelConfig
 from messages.prefix import BLOCK_TOKENS
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.config import ModelConfig
+from engine.models.v4.config import ModelConfig
 from messages.prefix import BLOCK_TOKENS
 
 

@@ -1,5 +1,5 @@
 """One sequence's state in shared storage: block KV through a page table, the window and the
-compressor tails in rings of its slot. Implements `engine.model.state.SequenceKV`; a batch of them
+compressor tails in rings of its slot. Implements `engine.models.v4.state.SequenceKV`; a batch of them
 decodes through one `DecodeView`."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from engine.kv.decode_view import DecodeView
 from engine.kv.page_pool import PagePool
 from engine.kv.swa import BoundaryState, SwaSlots
 from engine.kv.tails import TailRings, Tails, pack_tails, unpack_tails
-from engine.model.config import ModelConfig
-from engine.model.state import PoolerTail
+from engine.models.v4.config import ModelConfig
+from engine.models.v4.state import PoolerTail
 
 
 class PagedState:

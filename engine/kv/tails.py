@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.state import PoolerTail, empty_tail
+from engine.models.v4.config import ModelConfig
+from engine.models.v4.state import PoolerTail, empty_tail
 
 Tails = list[tuple[PoolerTail | None, PoolerTail | None]]  # per layer: (compressor tail, indexer tail)
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from engine.model.attention import GroupedLinear
+from engine.models.v4.attention import GroupedLinear
 from engine.quant.packed import pack
 from engine.quant.packed_linear import PackedLinear
 

@@ -131,19 +131,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    from engine.model.config import read_config_dict
-    from engine.model.loader import parse_dtype
+    from engine.models.v4.config import read_config_dict
+    from engine.models.v4.loader import parse_dtype
     raw, dtype = read_config_dict(args.config), parse_dtype(args.dtype)
     v41 = is_v41_raw(raw)
     if args.layers is not None and not v41:
         print("epd bench engine: --layers applies to V4.1 configs only", file=sys.stderr)
         return 2
     if v41:
-        from engine.v41.config import load_v41_config
+        from engine.models.v41.config import load_v41_config
         raw = with_layers(raw, args.layers)
         config = load_v41_config(raw)
     else:
-        from engine.model.config import load_config
+        from engine.models.v4.config import load_config
         config = load_config(args.config)
     bench = Run(args)
     bench.doc = {"config": args.config, "arch": "v4.1" if v41 else "v4", "layers": config.num_layers,

@@ -19,7 +19,7 @@ def hf_model_sharing(model, raw: dict, config, device, dtype):
     at construction (rotary tables) are moved to the device."""
     import torch
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-    from engine.model.random_init import _hf_config
+    from engine.models.v4.random_init import _hf_config
     hf_dict = _hf_config(dict(raw), config, dtype)
     hf_dict.pop("model_type", None)
     hf_config = DeepseekV4Config(**hf_dict)

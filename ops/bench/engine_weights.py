@@ -12,12 +12,12 @@ from ops.bench.engine_device import _sync
 def draw_model(config, device, dtype, seed: int):
     """Our DeepseekV4 with every parameter and buffer drawn in place on `device`.
 
-    Mirrors `engine.model.random_init.random_tensor` (same scales, fp32 where the loader keeps fp32),
+    Mirrors `engine.models.v4.random_init.random_tensor` (same scales, fp32 where the loader keeps fp32),
     but each tensor is filled on the device by a device generator seeded with (seed, name), so
     values differ from the CPU-written test checkpoints while never touching host memory.
     """
     import torch
-    from engine.model.loader import build_empty, tensor_dtype
+    from engine.models.v4.loader import build_empty, tensor_dtype
     model = build_empty(config)
     values = {}
     for name, meta in model.state_dict().items():
@@ -96,7 +96,7 @@ def _active_params(model) -> int:
 
 def write_config_dir(raw: dict, config, dtype, out: Path) -> Path:
     """A directory holding only config.json (the engine's model identity reads it; no weights)."""
-    from engine.model.random_init import _hf_config
+    from engine.models.v4.random_init import _hf_config
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(_hf_config(dict(raw), config, dtype), indent=2) + "\n")
     return out

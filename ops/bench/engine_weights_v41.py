@@ -1,14 +1,14 @@
 """`epd bench engine` on a DeepSeek V4.1 config: random weights in the RELEASED formats, drawn on the
 device and loaded through our own loader, plus the bytes the two decode floors count.
 
-Weights: every tensor `engine.v41.checkpoint.released_tensor_specs` lists is drawn on `device` in the
+Weights: every tensor `engine.models.v41.checkpoint.released_tensor_specs` lists is drawn on `device` in the
 format the release stores it (seeded by (seed, name)):
   FP8 32x32 / FP8 rows  e4m3 values ~ N(0, 96) (a block's largest lands in (224, 448], where the release's
                         power-of-two-ceil scales leave it; never 0) with e8m0 scales near
                         2**round(log2(std / 96)), jittered by one exponent either way;
   MXFP4                 random nibbles, never the two zero codes, with e8m0 scales likewise;
-  BF16 / FP32           as `engine.v41.random_init.random_rows` draws them (sinks, biases randomised).
-`engine.v41.loader.load_v41_model` then runs as it does on a model directory, with its file reader
+  BF16 / FP32           as `engine.models.v41.random_init.random_rows` draws them (sinks, biases randomised).
+`engine.models.v41.loader.load_v41_model` then runs as it does on a model directory, with its file reader
 (`iter_v41_state_dict`) swapped for these draws: quantized weights go through `dequantize_weight`
 (engine.quant) to the model dtype, the Engram tables stay FP8 in host memory and are read by row,
 and the n-gram hasher is built from the V4.1 tokenizer.json. No checkpoint is written.
@@ -36,7 +36,7 @@ HF_NOT_RUN = "n/a: transformers has no DeepSeek V4.1 model (ours vs the floor on
 
 
 def is_v41_raw(raw: dict) -> bool:
-    from engine.v41.config import is_v41
+    from engine.models.v41.config import is_v41
     return is_v41(raw)
 
 
@@ -54,8 +54,8 @@ def with_layers(raw: dict, layers: int | None) -> dict:
 
 def write_v41_model_dir(raw: dict, config, out: Path) -> Path:
     """config.json (the released nested layout) and tokenizer.json: what the loader reads besides weights."""
-    from engine.v41.random_init import released_config
-    from engine.v41.tokenizer_file import write_v41_tokenizer
+    from engine.models.v41.random_init import released_config
+    from engine.models.v41.tokenizer_file import write_v41_tokenizer
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(released_config(raw, config), indent=2) + "\n")
     write_v41_tokenizer(out)
@@ -64,12 +64,12 @@ def write_v41_model_dir(raw: dict, config, out: Path) -> Path:
 
 def draw_v41_model(model_dir: Path, device, dtype, seed: int):
     """`load_v41_model(model_dir)` with every stored tensor drawn on `device` instead of read from a file."""
-    import engine.v41.loader as loader
-    from engine.v41.checkpoint import FP8_ROWS, FP32, dequantize_weight, released_tensor_specs, scale_name
-    from engine.v41.config import load_v41_config
+    import engine.models.v41.loader as loader
+    from engine.models.v41.checkpoint import FP8_ROWS, FP32, dequantize_weight, released_tensor_specs, scale_name
+    from engine.models.v41.config import load_v41_config
 
     if not callable(getattr(loader, "iter_v41_state_dict", None)):
-        raise RuntimeError("engine.v41.loader no longer reads through iter_v41_state_dict: update this bench")
+        raise RuntimeError("engine.models.v41.loader no longer reads through iter_v41_state_dict: update this bench")
 
     def drawn(model_dir_arg, device_arg, dtype_arg, keep_engram_fp8: bool = False):
         config = load_v41_config(model_dir_arg)
@@ -100,7 +100,7 @@ def draw_stored(name: str, spec, device, seed: int) -> list:
     On `device`, except an Engram table (FP8 rows), which is drawn there chunk by chunk and lands in
     host memory, as the loader keeps it."""
     import torch
-    from engine.v41.checkpoint import FP8, FP8_ROWS, MXFP4
+    from engine.models.v41.checkpoint import FP8, FP8_ROWS, MXFP4
     device = torch.device(device)
     if spec.format == FP8_ROWS:
         return _draw_table(name, spec, device, seed)
@@ -135,7 +135,7 @@ def _mxfp4_values(shape, g, device):
 
 def _value_rms(spec) -> float:
     from engine.quant.mxfp4 import MAGNITUDES
-    from engine.v41.checkpoint import MXFP4
+    from engine.models.v41.checkpoint import MXFP4
     if spec.format == MXFP4:
         return math.sqrt(2 * sum(m * m for m in MAGNITUDES) / NONZERO_NIBBLES)
     return FP8_VALUE_STD
@@ -210,7 +210,7 @@ def v41_weight_bytes(model) -> dict:
 
     `dense`/`expert` feed the floors: dense = all but the routed experts, the embedding and the
     Engram tables; expert = one routed expert of one layer (w1, w2, w3)."""
-    from engine.v41.checkpoint import released_tensor_specs
+    from engine.models.v41.checkpoint import released_tensor_specs
     config = model.config
     today = {"total": 0, "dense": 0, "routed": 0, "embed": 0}
     for name, t in model.state_dict().items():

@@ -148,7 +148,7 @@ def _model_dir(path: str) -> Path | None:
     """The model directory; the default one is made as `make model` makes it when missing."""
     model_dir = Path(path)
     if not (model_dir / "config.json").exists() and path == DEFAULT_MODEL:
-        from engine.v41.random_init import write_random_v41_model_dir
+        from engine.models.v41.random_init import write_random_v41_model_dir
         _progress(f"writing the tiny model to {model_dir} (epd model init --arch v4.1 --seed 0)")
         write_random_v41_model_dir("tiny-v41", model_dir, seed=0)
     return model_dir if (model_dir / "config.json").exists() else None

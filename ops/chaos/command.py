@@ -111,7 +111,7 @@ def _model_dir(path: str) -> Path:
     if not (model_dir / "config.json").exists():
         if path != DEFAULT_MODEL:
             raise ValueError(f"no model at {path} (make one with `epd model init --arch v4.1`)")
-        from engine.v41.random_init import write_random_v41_model_dir
+        from engine.models.v41.random_init import write_random_v41_model_dir
         _progress(f"writing the tiny model to {model_dir} (epd model init --arch v4.1 --seed 0)")
         write_random_v41_model_dir("tiny-v41", model_dir, seed=0)
     return model_dir

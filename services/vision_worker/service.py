@@ -77,7 +77,7 @@ class VisionWorkerService(Service):
         """The encoder this worker runs (on the encoder thread). Tests override it."""
         import torch
 
-        from engine.v41.vision import VisionEncoder
+        from engine.models.v41.vision import VisionEncoder
         s = self.settings
         if s.torch_threads:
             torch.set_num_threads(s.torch_threads)
@@ -193,7 +193,7 @@ class VisionWorkerService(Service):
     async def on_start(self) -> None:
         started = time.monotonic()
         loop = asyncio.get_running_loop()
-        from engine.v41.vision import NoVisionEncoder   # torch only in this process, not where it is imported
+        from engine.models.v41.vision import NoVisionEncoder   # torch only in this process, not where it is imported
         try:
             self.encoder = await loop.run_in_executor(self._thread, self.load_encoder)
         except NoVisionEncoder as exc:

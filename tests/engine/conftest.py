@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model import load_model
-from engine.model.random_init import write_random_model_dir
+from engine.models.v4 import load_model
+from engine.models.v4.random_init import write_random_model_dir
 from tests.engine.references import TEST_VOCAB, make_prompt
 
 
@@ -76,7 +76,7 @@ def make_engine(tiny_dir):
 def greedy_alone(tiny_model):
     """prompt length -> the 64-token greedy continuation of make_prompt(length, 0), computed alone on
     the contiguous-state model (the oracle every engine path must reproduce). Cached per session."""
-    from engine.model.generate import greedy_generate
+    from engine.models.v4.generate import greedy_generate
 
     cache = {}
 

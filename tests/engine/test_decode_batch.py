@@ -13,9 +13,9 @@ from engine.kernels import kernel_mode
 from engine.kv.manager import KVCache
 from engine.kv.paged_state import PagedState
 from engine.kv.tails import TailRings, pack_tails
-from engine.model import load_model
-from engine.model.config import read_config_dict
-from engine.model.random_init import write_random_model_dir
+from engine.models.v4 import load_model
+from engine.models.v4.config import read_config_dict
+from engine.models.v4.random_init import write_random_model_dir
 from tests.engine.references import TEST_VOCAB, make_prompt, rel_err
 
 # prompt lengths: before / after the first CSA window, around the top-k threshold (16 entries = 64
@@ -136,7 +136,7 @@ def test_tail_rings_give_back_what_was_written_at_any_position(tiny_model):
 def bench8_narrow(dtype):
     """bench8's attention widths (512-entry top-k, 64 heads of 512), 4 layers (sliding, sliding, CSA,
     HCA), few experts, drawn on the GPU."""
-    from engine.model.config import ModelConfig
+    from engine.models.v4.config import ModelConfig
     from ops.bench.engine_weights import draw_model
 
     raw = read_config_dict("bench8")
@@ -232,7 +232,7 @@ def test_decodes_batched_beside_a_prefill_chunk_match_the_per_sequence_path(tiny
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_graph_replay_is_bitwise_the_eager_forward_of_the_same_shapes():
-    from engine.model.decode_graph import DecodeGraphs
+    from engine.models.v4.decode_graph import DecodeGraphs
 
     model = bench8_narrow(torch.bfloat16)
     _, states, _ = lockstep(model, (3, 126, 700), 2, batched=True)  # a padded batch of 4, pages 8

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.engine_core import EngineRequest
-from engine.model.generate import greedy_generate
+from engine.models.v4.generate import greedy_generate
 from messages import Codec
 from messages.handoff import BufferRole, KVSnapshot, SwaState
 from messages.kv_store import KvPages

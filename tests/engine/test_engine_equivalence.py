@@ -44,7 +44,7 @@ def test_chunked_prefill_with_odd_budgets_matches_alone(make_engine, greedy_alon
 
 
 def test_a_shared_300_token_prefix_is_served_from_the_cache(make_engine, tiny_model):
-    from engine.model.generate import greedy_generate
+    from engine.models.v4.generate import greedy_generate
 
     prefix = make_prompt(300, 3).tolist()
     first, second = prefix + make_prompt(20, 4).tolist(), prefix + make_prompt(41, 5).tolist()

@@ -14,14 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from engine.model import load_model
-from engine.model.attention import GroupedLinear
-from engine.model.generate import greedy_generate, prefill
-from engine.model.moe import RoutedExperts
+from engine.models.v4 import load_model
+from engine.models.v4.attention import GroupedLinear
+from engine.models.v4.generate import greedy_generate, prefill
+from engine.models.v4.moe import RoutedExperts
 from engine.quant.pack_model import pack_model_, round_to_formats_
 from engine.quant.packed_linear import PackedLinear
-from engine.v41.loader import load_v41_model
-from engine.v41.random_init import write_random_v41_model_dir
+from engine.models.v41.loader import load_v41_model
+from engine.models.v41.random_init import write_random_v41_model_dir
 from tests.engine.references import TEST_VOCAB, make_prompt
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.engine_core import EngineRequest
-from engine.model.generate import greedy_generate
+from engine.models.v4.generate import greedy_generate
 from messages.prefix import block_hashes
 from tests.engine.references import greedy_params, make_prompt, run_engine
 

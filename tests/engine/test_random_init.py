@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.model import load_model
-from engine.model import random_init
-from engine.model.random_init import tokenizer_json_path, write_random_model_dir
+from engine.models.v4 import load_model
+from engine.models.v4 import random_init
+from engine.models.v4.random_init import tokenizer_json_path, write_random_model_dir
 from ops.model_commands import register
 
 

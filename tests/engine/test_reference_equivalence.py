@@ -16,10 +16,10 @@ import json
 import pytest
 import torch
 
-from engine.model import load_model
-from engine.model.config import read_config_dict
-from engine.model.generate import decode_greedy, prefill
-from engine.model.random_init import write_random_model_dir
+from engine.models.v4 import load_model
+from engine.models.v4.config import read_config_dict
+from engine.models.v4.generate import decode_greedy, prefill
+from engine.models.v4.random_init import write_random_model_dir
 from tests.engine.references import make_prompt, rel_err
 
 SEEDS = (0, 1)

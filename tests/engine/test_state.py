@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.config import CSA, HCA, SLIDING
-from engine.model.generate import prefill
-from engine.model.state import join_state, split_state, state_nbytes
+from engine.models.v4.config import CSA, HCA, SLIDING
+from engine.models.v4.generate import prefill
+from engine.models.v4.state import join_state, split_state, state_nbytes
 from tests.engine.references import make_prompt
 
 BLOCK = 128

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.v41.tokenizer_file import write_v41_tokenizer
+from engine.models.v41.tokenizer_file import write_v41_tokenizer
 from messages.common import FinishReason
 from services.gateway.adapter import Adapter, AdapterConfig, Protocol, ServedModel
 from tests.helpers.test_helper_stack import down_stack, up_stack

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from deepseek_recipe import IMAGE_SPECIAL_TOKEN_ID, Tokenizer
 
-from engine.v41.tokenizer_file import v4_tokenizer_json, write_v41_tokenizer
+from engine.models.v41.tokenizer_file import v4_tokenizer_json, write_v41_tokenizer
 from messages.common import FinishReason
 from services.gateway.adapter import Adapter, AdapterConfig, Protocol, ServedModel
 from services.gateway.model_dir import context_length, served_encoding

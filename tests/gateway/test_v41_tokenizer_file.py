@@ -1,4 +1,4 @@
-"""Our V4.1 tokenizer.json (engine/v41/tokenizer_file.py): V4's with V4.1's special tokens renamed
+"""Our V4.1 tokenizer.json (engine/models/v41/tokenizer_file.py): V4's with V4.1's special tokens renamed
 in place, so ids, vocabulary size and Engram's compressed vocabulary stay what V4.1 expects."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from deepseek_recipe import IMAGE_SPECIAL_TOKEN_ID, SpecialToken, SpecialTokens
 
-from engine.v41.tokenizer_file import (
+from engine.models.v41.tokenizer_file import (
     IMAGE_TOKEN, SYSTEM_TOKEN, V41_VOCAB_SIZE, v4_tokenizer_json, v41_tokenizer_dict, write_v41_tokenizer,
 )
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.v41.tokenizer_file import v4_tokenizer_json
+from engine.models.v41.tokenizer_file import v4_tokenizer_json
 from messages.grammar import constraint_json
 
 SIMPLE_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

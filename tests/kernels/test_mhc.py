@@ -1,5 +1,5 @@
-"""mHC kernels (engine.kernels.mhc, mhc_merge) against the torch paths of engine.model.hyper (V4) and
-engine.v41.hyper (V4.1): coefficients with Sinkhorn, the stream statistics, collapse, merge, each
+"""mHC kernels (engine.kernels.mhc, mhc_merge) against the torch paths of engine.models.v4.hyper (V4) and
+engine.models.v41.hyper (V4.1): coefficients with Sinkhorn, the stream statistics, collapse, merge, each
 site as the model calls it, a CUDA-graph replay, and a tiny V4 model with and without the kernels."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine.kernels import kernel_mode
-from engine.model import hyper
-from engine.model.config import ModelConfig, read_config_dict
-from engine.v41 import hyper as hyper41
+from engine.models.v4 import hyper
+from engine.models.v4.config import ModelConfig, read_config_dict
+from engine.models.v41 import hyper as hyper41
 
 TOKENS = (1, 5, 300)  # none a multiple of a block
 SITE_TOKENS = (1, 5, 33)  # whole sites: the kernels alone cover 300 (the interpreter is slow)
@@ -250,8 +250,8 @@ def test_kernel_sites_replay_from_a_cuda_graph(device):
 
 def test_tiny_v4_model_logits_with_and_without_mhc_kernels(device, tmp_path, monkeypatch):
     """Only the mHC sites switch (the rest of the model stays on torch), prefill and two decode steps."""
-    from engine.model import load_model
-    from engine.model.random_init import write_random_model_dir
+    from engine.models.v4 import load_model
+    from engine.models.v4.random_init import write_random_model_dir
     from tests.engine.references import make_prompt, rel_err
 
     model_dir = write_random_model_dir("tiny", tmp_path / "tiny", seed=0, vocab_size=1024, dtype=torch.float32)

@@ -18,11 +18,11 @@ pytest.importorskip("triton", reason="the kernels need Triton (the `gpu` extra);
 
 from engine.kernels.moe_align import align_slots, max_row_blocks
 from engine.kernels.moe_gemm import moe_forward, moe_reference
-from engine.model.config import load_config
-from engine.model.moe import RoutedExperts
+from engine.models.v4.config import load_config
+from engine.models.v4.moe import RoutedExperts
 from engine.quant.packed import pack
-from engine.v41.config import load_v41_config
-from engine.v41.moe import MoE as V41MoE
+from engine.models.v41.config import load_v41_config
+from engine.models.v41.moe import MoE as V41MoE
 
 HIDDEN, INTER, LIMIT = 256, 96, 2.0
 BF16_ULP = 2.0**-7

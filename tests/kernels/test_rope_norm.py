@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from engine.kernels import kernel_mode
-from engine.model.norms import RMSNorm, unweighted_rms_norm
-from engine.model.rope import apply_rope, apply_rope_after_norm, apply_rope_after_unweighted_norm
-from engine.v41 import rope as v41_rope
+from engine.models.v4.norms import RMSNorm, unweighted_rms_norm
+from engine.models.v4.rope import apply_rope, apply_rope_after_norm, apply_rope_after_unweighted_norm
+from engine.models.v41 import rope as v41_rope
 
 EPS = 1e-6
 ROPE_DIM = 64
@@ -201,8 +201,8 @@ def test_model_norm_rope_helpers_dispatch(device):
 def test_tiny_model_logits_with_and_without_kernels(device, tmp_path, config):
     """Every norm and rope of a random tiny model through the kernels: logits as the torch path's."""
     from engine.loading import load_model
-    from engine.model.random_init import write_random_model_dir
-    from engine.v41.random_init import write_random_v41_model_dir
+    from engine.models.v4.random_init import write_random_model_dir
+    from engine.models.v41.random_init import write_random_v41_model_dir
     from tests.engine.references import TEST_VOCAB, make_prompt
 
     if config == "tiny":

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.kernels import kernel_mode
-from engine.model.attention import Attention
+from engine.models.v4.attention import Attention
 from tests.engine.references import rel_err
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -141,8 +141,8 @@ def test_exactly_one_entry_form_is_required(device):
 @contextlib.contextmanager
 def only_attention_kernels():
     """Kernels on for the attention core and the indexer alone (whatever the global mode)."""
-    import engine.model.attention as attention
-    import engine.model.compressor as compressor
+    import engine.models.v4.attention as attention
+    import engine.models.v4.compressor as compressor
 
     with pytest.MonkeyPatch.context() as patch:
         for module in (attention, compressor):
@@ -158,9 +158,9 @@ def small(device, tmp_path_factory):
 
     if device.type != "cpu":
         pytest.skip("the model is loaded on the CPU; the GPU runs the bench8-width test below")
-    from engine.model import load_model
-    from engine.model.config import read_config_dict
-    from engine.model.random_init import write_random_model_dir
+    from engine.models.v4 import load_model
+    from engine.models.v4.config import read_config_dict
+    from engine.models.v4.random_init import write_random_model_dir
     from tests.engine.references import TEST_VOCAB
 
     raw = read_config_dict("tiny")

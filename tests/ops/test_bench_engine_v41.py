@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.config import read_config_dict
+from engine.models.v4.config import read_config_dict
 from engine.quant.mxfp4 import dequantize_mxfp4, unpack_nibbles
-from engine.v41.checkpoint import FP8, FP8_ROWS, MXFP4, released_tensor_specs
-from engine.v41.config import load_v41_config
+from engine.models.v41.checkpoint import FP8, FP8_ROWS, MXFP4, released_tensor_specs
+from engine.models.v41.config import load_v41_config
 from ops import bench
 from ops.bench.engine_floor_v41 import floor_row_v41, kv_bytes, released_kv_bytes
 from ops.bench.engine_plan import Cell

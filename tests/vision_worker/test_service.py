@@ -64,7 +64,7 @@ def jpeg(width: int, height: int, seed: int, sizing: VisionSizing) -> ImageInput
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 async def test_rows_are_the_v41_towers_own(services, tiny_v41_model_dir, dtype):
-    from engine.v41.vision import VisionEncoder
+    from engine.models.v41.vision import VisionEncoder
     reference = VisionEncoder.load(tiny_v41_model_dir, dtype=getattr(torch, dtype))
     images = [jpeg(200, 150, 1, reference.sizing), jpeg(500, 400, 2, reference.sizing)]
     leader = await services.start(VisionBalancerService, "lead")
@@ -81,7 +81,7 @@ async def test_rows_are_the_v41_towers_own(services, tiny_v41_model_dir, dtype):
 
 async def test_a_model_without_vision_starts_and_refuses_images(services, tmp_path):
     """A V4 model on the default topology: the stack still comes up; images sent here are refused."""
-    from engine.model.random_init import write_random_model_dir
+    from engine.models.v4.random_init import write_random_model_dir
     model_dir = write_random_model_dir("tiny", tmp_path / "v4", seed=0, vocab_size=1024)
     worker = await services.start(VisionWorkerService, "w", settings={"model_dir": str(model_dir)})
     assert worker.encoder is None and "no vision encoder" in worker.no_encoder

@@ -72,7 +72,7 @@ def special_tokens_for(encoding: str, table: TokenTable, path: str) -> SpecialTo
     missing = [t for t in (system, V41_IMAGE_TOKEN) if t not in table.added_ids]
     if missing:
         raise ValueError(f"{path} is not a V4.1 tokenizer (no {', '.join(missing)}); write one with "
-                         f"engine.v41.tokenizer_file.write_v41_tokenizer (epd model init --arch v4.1)")
+                         f"engine.models.v41.tokenizer_file.write_v41_tokenizer (epd model init --arch v4.1)")
     if table.added_ids[V41_IMAGE_TOKEN] != IMAGE_SPECIAL_TOKEN_ID:
         raise ValueError(f"{path} gives {V41_IMAGE_TOKEN} id {table.added_ids[V41_IMAGE_TOKEN]}; "
                          f"V4.1 image inputs use id {IMAGE_SPECIAL_TOKEN_ID}")

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from engine.quant import dequantize_fp8_blocks, dequantize_mxfp4, quantize_fp8, quantize_fp8_blocks, quantize_mxfp4
-from engine.v41 import random_init
-from engine.v41.checkpoint import (
+from engine.models.v41 import random_init
+from engine.models.v41.checkpoint import (
     FP8,
     FP8_ROWS,
     FP32,
@@ -26,9 +26,9 @@ from engine.v41.checkpoint import (
     released_tensor_specs,
     vision_tensor_specs,
 )
-from engine.v41.config import V41Config, load_v41_config
-from engine.v41.random_init import random_rows, write_random_v41_model_dir, write_v41_model_dir_from_tensors
-from engine.v41.tokenizer_file import write_v41_tokenizer
+from engine.models.v41.config import V41Config, load_v41_config
+from engine.models.v41.random_init import random_rows, write_random_v41_model_dir, write_v41_model_dir_from_tensors
+from engine.models.v41.tokenizer_file import write_v41_tokenizer
 from ops.model_commands import register
 from tests.helpers import test_helper_nemo_v41 as nemo_helper
 
@@ -101,7 +101,7 @@ def test_specs_are_the_reference_on_disk_layout(config):
 def test_model_parameters_are_the_released_names(config):
     """The engine's V4.1 model names its parameters as the release does; Engram tables live outside
     the state dict (host memory, loaded with `load_table`)."""
-    from engine.v41.model import DeepseekV41
+    from engine.models.v41.model import DeepseekV41
 
     with torch.device("meta"):
         model = DeepseekV41(config)

@@ -8,8 +8,8 @@ import torch
 
 from engine.engine_core import EngineConfig, EngineCore, EngineRequest
 from engine.loading import load_model
-from engine.v41.random_init import read_raw_config
-from engine.v41.random_init import write_random_v41_model_dir
+from engine.models.v41.random_init import read_raw_config
+from engine.models.v41.random_init import write_random_v41_model_dir
 from messages.common import FinishReason
 from messages.images import ImageGrid, ImageInput
 from tests.engine.references import TEST_VOCAB, greedy_params, make_prompt, run_engine
@@ -30,7 +30,7 @@ def image_dir(tmp_path_factory):
 def no_cache_rounding(monkeypatch):
     """Paged and contiguous runs split matmuls differently; a last-bit difference can flip an fp4/fp8
     rounding (test_engine_v41.py). What is checked here is which rows the model sees."""
-    for module in ("engine.v41.attention", "engine.v41.indexer"):
+    for module in ("engine.models.v41.attention", "engine.models.v41.indexer"):
         monkeypatch.setattr(f"{module}.round_cache", lambda values, point: values)
 
 

@@ -10,9 +10,9 @@ import torch
 
 from engine.engine_core import EngineConfig, EngineCore, EngineRequest
 from engine.loading import load_model
-from engine.model.generate import greedy_generate
-from engine.v41.random_init import write_random_v41_model_dir
-from engine.v41.replay_check import check_prompt
+from engine.models.v4.generate import greedy_generate
+from engine.models.v41.random_init import write_random_v41_model_dir
+from engine.models.v41.replay_check import check_prompt
 from messages.handoff import BufferRole
 from tests.engine.references import TEST_VOCAB, greedy_params, make_prompt, run_engine
 from tests.engine.test_handoff import over_the_wire, step_until
@@ -52,7 +52,7 @@ def test_batched_and_chunked_requests_equal_the_oracle(v41_dir, monkeypatch):
     """Without the cache round trips: a 96-row matmul and a 300-row one differ in the last bits, and
     such a difference now and then flips an fp4/fp8 rounding (see test_model_v41.py); what this
     checks is which tokens, entries and keys each query sees, which the rounding does not change."""
-    for module in ("engine.v41.attention", "engine.v41.indexer"):
+    for module in ("engine.models.v41.attention", "engine.models.v41.indexer"):
         monkeypatch.setattr(f"{module}.round_cache", lambda values, point: values)
     lengths = (140, 300, 257)
     model = load_model(v41_dir, dtype=torch.float32)

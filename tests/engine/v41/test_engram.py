@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from engine.model.random_init import tokenizer_json_path
-from engine.v41.config import V41Config
-from engine.v41.engram import Engram
-from engine.v41.engram_hash import NgramHasher, engram_row_counts
+from engine.models.v4.random_init import tokenizer_json_path
+from engine.models.v41.config import V41Config
+from engine.models.v41.engram import Engram
+from engine.models.v41.engram_hash import NgramHasher, engram_row_counts
 from engine.quant import quantize_fp8_rows as quantize_table
-from engine.v41.engram_vocab import compressed_vocab
+from engine.models.v41.engram_vocab import compressed_vocab
 
 nemo_engram = pytest.importorskip(
     "nemo_automodel.components.models.deepseek_v41.engram", reason="NeMo Automodel is the test-only reference")

@@ -30,11 +30,11 @@ import copy
 import pytest
 import torch
 
-from engine.v41 import indexer
-from engine.v41.cache_rounding import COMPRESSED_KV, INDEX_QK, SWA_KV, round_cache
-from engine.v41.checkpoint import released_tensor_specs
-from engine.v41.config import load_v41_config
-from engine.v41.model import DeepseekV41
+from engine.models.v41 import indexer
+from engine.models.v41.cache_rounding import COMPRESSED_KV, INDEX_QK, SWA_KV, round_cache
+from engine.models.v41.checkpoint import released_tensor_specs
+from engine.models.v41.config import load_v41_config
+from engine.models.v41.model import DeepseekV41
 from tests.engine.references import rel_err
 from tests.helpers.test_helper_nemo_v41 import (
     NEMO_MISSING,
@@ -85,8 +85,8 @@ def unrounded_caches(monkeypatch):
     from nemo_automodel.components.models.deepseek_v41 import attention as nemo_attention
 
     monkeypatch.setattr(nemo_attention, "quantize_cache", lambda values, format, block_size: values)
-    monkeypatch.setattr("engine.v41.attention.round_cache", lambda values, point: values)
-    monkeypatch.setattr("engine.v41.indexer.round_cache", lambda values, point: values)
+    monkeypatch.setattr("engine.models.v41.attention.round_cache", lambda values, point: values)
+    monkeypatch.setattr("engine.models.v41.indexer.round_cache", lambda values, point: values)
 
 
 def _prompt(length: int, seed: int, vocab: int = VOCAB, skip: int = -1) -> list[int]:
@@ -206,7 +206,7 @@ def test_bfloat16_matches_nemo_in_bfloat16(models, monkeypatch):
             ties.append(bool(((ranked[:, k - 1] == ranked[:, k]) & (ranked[:, k] > float("-inf"))).any()))
         return top_k_mask(scores, k)
 
-    monkeypatch.setattr("engine.v41.attention.top_k_mask", watched)
+    monkeypatch.setattr("engine.models.v41.attention.top_k_mask", watched)
     for seed in range(12):
         ties.clear()
         ids = _prompt(36, seed)
@@ -275,9 +275,9 @@ def test_batched_sequences_match_separate_runs(models, unrounded_caches):
 
 @pytest.fixture(scope="module")
 def engram_models():
-    from engine.model.random_init import tokenizer_json_path
-    from engine.v41.engram_hash import NgramHasher
-    from engine.v41.engram_vocab import compressed_vocab
+    from engine.models.v4.random_init import tokenizer_json_path
+    from engine.models.v41.engram_hash import NgramHasher
+    from engine.models.v41.engram_vocab import compressed_vocab
 
     raw = raw_v41_config("tiny-v41")
     nemo = build_nemo_model(raw, seed=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.v41.config import REINDEX, REUSE, SOURCE, SWA, load_v41_config
+from engine.models.v41.config import REINDEX, REUSE, SOURCE, SWA, load_v41_config
 from tests.helpers import test_helper_nemo_v41 as nemo
 
 pytestmark = pytest.mark.skipif(not nemo.nemo_available(), reason=nemo.NEMO_MISSING)

@@ -1,6 +1,6 @@
 """Trimmed bounded replay (seed 003, decoder side): on a replay prefill the layers above the last KV
 source run only on the prompt's last 128 rows, from T = max(H - 128, L - 128) (engine/kv/manager.py,
-engine/v41/sub_batch.py).
+engine/models/v41/sub_batch.py).
 
 What is exact, and tested as such: the layers up to the last KV source compute every row as an
 untrimmed replay does (so the compressed pages and the lower windows are the same), and so does the
@@ -11,7 +11,7 @@ their keys. So the last token's logits equal the untrimmed replay's only with on
 
 Comparisons of runs with different row counts switch the cache rounding off (`no_rounding`): a
 matmul of other shape differs in the last bits, which now and then flips an fp8/fp4 rounding
-(tests/engine/v41/test_model_v41.py explains it); what they check, which rows and keys each layer
+(tests/engine/models/v41/test_model_v41.py explains it); what they check, which rows and keys each layer
 sees, does not depend on it.
 """
 
@@ -24,7 +24,7 @@ from engine.engine_core import EngineConfig, EngineCore, EngineRequest
 from engine.kv.manager import KVCache
 from engine.loading import load_model
 from engine.scheduler.sequence import Sequence
-from engine.v41.random_init import read_raw_config, write_random_v41_model_dir
+from engine.models.v41.random_init import read_raw_config, write_random_v41_model_dir
 from messages.common import SamplingParams
 from tests.engine.references import TEST_VOCAB, greedy_params, make_prompt, run_engine
 from tests.engine.test_handoff import step_until
@@ -58,7 +58,7 @@ def one_upper_model(tmp_path_factory):
 
 @pytest.fixture
 def no_rounding(monkeypatch):
-    for module in ("engine.v41.attention", "engine.v41.indexer"):
+    for module in ("engine.models.v41.attention", "engine.models.v41.indexer"):
         monkeypatch.setattr(f"{module}.round_cache", lambda values, point: values)
 
 

@@ -19,12 +19,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.loading import load_model
-from engine.v41.checkpoint import FP32, iter_vision_state_dict, vision_tensor_specs
-from engine.v41.config import V41VisionConfig, load_v41_config
-from engine.v41.random_init import random_rows, read_raw_config, write_random_v41_model_dir
-from engine.v41.vision import VisionEncoder
-from engine.v41.vision.aligner import fold_cells
-from engine.v41.vision.preprocess import preprocess_image
+from engine.models.v41.checkpoint import FP32, iter_vision_state_dict, vision_tensor_specs
+from engine.models.v41.config import V41VisionConfig, load_v41_config
+from engine.models.v41.random_init import random_rows, read_raw_config, write_random_v41_model_dir
+from engine.models.v41.vision import VisionEncoder
+from engine.models.v41.vision.aligner import fold_cells
+from engine.models.v41.vision.preprocess import preprocess_image
 from messages.images import ImageInput, VisionSizing, plan_image_grid
 from tests.engine.references import TEST_VOCAB, rel_err
 
@@ -322,7 +322,7 @@ def _run(model, ids, embeds=None, **kwargs):
 
 @pytest.fixture
 def no_rounding(monkeypatch):
-    for module in ("engine.v41.attention", "engine.v41.indexer"):
+    for module in ("engine.models.v41.attention", "engine.models.v41.indexer"):
         monkeypatch.setattr(f"{module}.round_cache", lambda values, point: values)
 
 

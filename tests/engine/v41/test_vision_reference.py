@@ -20,10 +20,10 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.v41.config import V41VisionConfig, load_v41_config
-from engine.v41.model import DeepseekV41
-from engine.v41.vision import VisionEncoder
-from engine.v41.vision.preprocess import preprocess_image
+from engine.models.v41.config import V41VisionConfig, load_v41_config
+from engine.models.v41.model import DeepseekV41
+from engine.models.v41.vision import VisionEncoder
+from engine.models.v41.vision.preprocess import preprocess_image
 from messages.images import ImageInput, ImageTooLarge, VisionSizing, plan_image_grid
 from tests.engine.references import rel_err
 from tests.helpers import test_helper_nemo_v41 as nemo_helper
@@ -148,9 +148,9 @@ def test_preprocess_is_nemos_bit_for_bit(case):
 @pytest.fixture(scope="module")
 def models():
     """NeMo's tiny-v41 with its vision tower, and ours from the same (released-grid) weights."""
-    from engine.model.random_init import tokenizer_json_path
-    from engine.v41.engram_hash import NgramHasher
-    from engine.v41.engram_vocab import compressed_vocab
+    from engine.models.v4.random_init import tokenizer_json_path
+    from engine.models.v41.engram_hash import NgramHasher
+    from engine.models.v41.engram_vocab import compressed_vocab
 
     raw = nemo_helper.raw_v41_config("tiny-v41")
     nemo = nemo_helper.build_nemo_model(raw, seed=0)

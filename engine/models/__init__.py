@@ -1,0 +1,1 @@
+"""The model families epd serves: `v4/` (DeepSeek V4) and `v41/` (DeepSeek V4.1), siblings behind one contract."""

@@ -1,0 +1,245 @@
+"""Model configuration: parse a DeepSeek V4 `config.json` (HF layout, legacy keys included)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+HASH_MOE = "hash_moe"
+MOE = "moe"
+
+_RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+_DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
+BUNDLED_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """One rotary flavour: plain RoPE, or YaRN-scaled when `rope_type == "yarn"`."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    def __post_init__(self):
+        if self.rope_type not in ("default", "yarn"):
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}")
+        if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
+            raise ValueError("yarn rope needs original_max_position_embeddings")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    experts_per_token: int
+    layer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+    main_rope: RopeSpec
+    compress_rope: RopeSpec
+    compress_rates: dict = field(default_factory=lambda: dict(_DEFAULT_COMPRESS_RATES))
+    n_shared_experts: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    sliding_window: int = 128
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 1
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        for name, types, allowed in (
+            ("layer_types", self.layer_types, (SLIDING, CSA, HCA)),
+            ("mlp_layer_types", self.mlp_layer_types, (HASH_MOE, MOE)),
+        ):
+            if len(types) != self.num_layers:
+                raise ValueError(f"len({name})={len(types)} != num_layers={self.num_layers}")
+            bad = [t for t in types if t not in allowed]
+            if bad:
+                raise ValueError(f"{name} has unknown entries {bad}")
+        if self.num_heads * self.head_dim % self.o_groups:
+            raise ValueError("num_heads * head_dim must divide into o_groups")
+        if self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
+            raise ValueError(f"bad rope_dim {self.rope_dim}")
+        if self.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
+            raise ValueError(f"unknown scoring_func {self.scoring_func!r}")
+        for layer_type in (CSA, HCA):
+            if layer_type in self.layer_types and layer_type not in self.compress_rates:
+                raise ValueError(f"compress_rates lacks {layer_type}")
+
+    def compress_ratio(self, layer: int) -> int:
+        """Tokens per compressed entry of a layer (0 for sliding-only layers)."""
+        layer_type = self.layer_types[layer]
+        return 0 if layer_type == SLIDING else int(self.compress_rates[layer_type])
+
+    # ---- what the KV cache holds per layer (V41Config answers the same questions)
+    def owns_index_keys(self, layer: int) -> bool:
+        return self.layer_types[layer] == CSA
+
+    def overlapping_tail(self, layer: int) -> bool:
+        """CSA pools overlapping windows: its tails keep the first half of the last full window."""
+        return self.layer_types[layer] == CSA
+
+    def has_index_tail(self, layer: int) -> bool:
+        """The CSA indexer pools its own keys, so it keeps a tail of its own."""
+        return self.layer_types[layer] == CSA
+
+    @property
+    def supports_bounded_replay(self) -> bool:
+        """V4's CSA tails carry the overlap of the last window, which pages cannot rebuild."""
+        return False
+
+    @property
+    def engram_context(self) -> int:
+        """V4 has no Engram: no earlier token ids are needed to continue a sequence."""
+        return 0
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        return _parse(raw)
+
+
+def load_config(name_or_path: str | Path) -> ModelConfig:
+    """A bundled config name (`tiny`, `bench8`), a JSON file, or a model directory."""
+    return ModelConfig.from_dict(read_config_dict(name_or_path))
+
+
+def read_config_dict(name_or_path: str | Path) -> dict:
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    elif not path.exists() and (BUNDLED_CONFIGS / f"{name_or_path}.json").exists():
+        path = BUNDLED_CONFIGS / f"{name_or_path}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no model config at {name_or_path!r}")
+    return json.loads(path.read_text())
+
+
+def _parse(raw: dict) -> ModelConfig:
+    num_layers = int(raw["num_hidden_layers"])
+    head_dim = int(raw["head_dim"])
+    compress_rates = dict(raw.get("compress_rates") or _DEFAULT_COMPRESS_RATES)
+    if raw.get("compress_rate_csa") is not None:
+        compress_rates[CSA] = int(raw["compress_rate_csa"])
+    if raw.get("compress_rate_hca") is not None:
+        compress_rates[HCA] = int(raw["compress_rate_hca"])
+    partial = raw.get("partial_rotary_factor")
+    if partial is not None:
+        rope_dim = int(head_dim * partial)
+    else:
+        rope_dim = int(raw.get("qk_rope_head_dim", head_dim // 8))
+    main_rope, compress_rope = _parse_rope(raw)
+    return ModelConfig(
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        num_layers=num_layers,
+        num_heads=int(raw["num_attention_heads"]),
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+        q_lora_rank=int(raw["q_lora_rank"]),
+        o_groups=int(raw["o_groups"]),
+        o_lora_rank=int(raw["o_lora_rank"]),
+        moe_intermediate_size=int(raw["moe_intermediate_size"]),
+        n_routed_experts=int(raw["n_routed_experts"]),
+        experts_per_token=int(raw["num_experts_per_tok"]),
+        layer_types=_layer_types(raw, num_layers),
+        mlp_layer_types=_mlp_layer_types(raw, num_layers),
+        main_rope=main_rope,
+        compress_rope=compress_rope,
+        compress_rates=compress_rates,
+        n_shared_experts=int(raw.get("n_shared_experts", 1)),
+        scoring_func=raw.get("scoring_func", "sqrtsoftplus"),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)),
+        swiglu_limit=float(raw.get("swiglu_limit", 10.0)),
+        index_n_heads=int(raw.get("index_n_heads", 64)),
+        index_head_dim=int(raw.get("index_head_dim", 128)),
+        index_topk=int(raw.get("index_topk", 512)),
+        sliding_window=int(raw.get("sliding_window", 128)),
+        hc_mult=int(raw.get("hc_mult", 4)),
+        hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", 20)),
+        hc_eps=float(raw.get("hc_eps", 1e-6)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 1048576)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id", 0),
+        eos_token_id=_first(raw.get("eos_token_id", 1)),
+        dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
+    )
+
+
+def _first(value):
+    return value[0] if isinstance(value, list) and value else value
+
+
+def _layer_types(raw: dict, num_layers: int) -> tuple[str, ...]:
+    if raw.get("layer_types") is not None:
+        return tuple(raw["layer_types"][:num_layers])
+    if raw.get("compress_ratios") is not None:
+        return tuple(_RATIO_TO_LAYER_TYPE[int(r)] for r in raw["compress_ratios"][:num_layers])
+    raise ValueError("config needs explicit layer_types or compress_ratios")
+
+
+def _mlp_layer_types(raw: dict, num_layers: int) -> tuple[str, ...]:
+    if raw.get("mlp_layer_types") is not None:
+        return tuple(raw["mlp_layer_types"][:num_layers])
+    n_hash = min(num_layers, int(raw.get("num_hash_layers", 3)))
+    return (HASH_MOE,) * n_hash + (MOE,) * (num_layers - n_hash)
+
+
+def _parse_rope(raw: dict) -> tuple[RopeSpec, RopeSpec]:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        return _rope_spec(params["main"], raw.get("rope_theta", 10000.0)), _rope_spec(
+            params["compress"], raw.get("compress_rope_theta", 160000.0)
+        )
+    main = RopeSpec(theta=float(raw.get("rope_theta", 10000.0)))
+    compress = {k: v for k, v in params.items() if k not in ("main", "compress", "rope_theta")}
+    compress.setdefault("rope_type", compress.pop("type", "default"))
+    if compress["rope_type"] == "yarn":
+        compress.setdefault("attention_factor", 1.0)  # V4 does not scale cos/sin on compressed layers
+    return main, _rope_spec(compress, raw.get("compress_rope_theta", 160000.0))
+
+
+def _rope_spec(params: dict, default_theta: float) -> RopeSpec:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return RopeSpec(theta=float(params.get("rope_theta", default_theta)))
+    return RopeSpec(
+        theta=float(params.get("rope_theta", default_theta)),
+        rope_type=rope_type,
+        factor=params.get("factor"),
+        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        attention_factor=params.get("attention_factor"),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+    )
