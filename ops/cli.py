@@ -9,7 +9,7 @@ import sys
 COMMAND_MODULES = (
     "ops.serve_command",     # serve
     "ops.stack_commands",    # up, down, status, health
-    "ops.trace_command",     # trace
+    "ops.trace.command",     # trace
     "ops.tap",               # tap
     "ops.keys_command",      # keys
     "ops.compose",           # compose

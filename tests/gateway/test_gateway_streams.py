@@ -13,7 +13,7 @@ import pytest
 import structlog
 
 from messages.control import StatusQuery
-from ops import trace
+from ops.trace import timeline as trace
 from messages.generate import GenerateChunk
 from services.gateway.service import GatewayService
 from services.runtime.config import ServiceConfig

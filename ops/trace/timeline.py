@@ -5,7 +5,7 @@ lines of one request (its request_id, or its trace_id), and prints a timeline pl
 spans: each `request.summary` line is one span, placed under the span that sent the request
 (by parent_span_id, else by the sending instance); a streamed answer's summary (chunk count, token
 times, chunk gaps) adds first- and last-token rows. `--chrome FILE` writes the same as Chrome
-trace-event JSON for ui.perfetto.dev (trace_chrome.py); the command is trace_command.py. Pure
+trace-event JSON for ui.perfetto.dev (chrome.py); the command is command.py. Pure
 functions of lines.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The `epd trace` command: where the logs come from (files, run directories, stdin), then the
-timeline (trace.py) and, with --chrome, the trace-event JSON (trace_chrome.py)."""
+timeline (timeline.py) and, with --chrome, the trace-event JSON (chrome.py)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from ops.trace import TraceSourceError, read_trace, render
-from ops.trace_chrome import chrome_trace
+from ops.trace.timeline import TraceSourceError, read_trace, render
+from ops.trace.chrome import chrome_trace
 
 
 def resolve_sources(sources: list[str], run_dir: str | None) -> list[str | Path]:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ops import trace, trace_chrome, trace_command
+from ops.trace import chrome as trace_chrome, command as trace_command, timeline as trace
 
 T0 = 1_700_000_000.0
 TRACE_ID = "ab" * 16

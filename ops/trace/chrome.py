@@ -2,11 +2,11 @@
 
 A process per instance, an "X" slice per span (and one for its queue wait), an "i" instant per
 other log line and per streamed answer's first and last token, and a flow arrow from each parent
-span to its child. A pure function of a `Trace` (ops/trace.py).
+span to its child. A pure function of a `Trace` (ops/trace/timeline.py).
 """
 from __future__ import annotations
 
-from ops.trace import SUMMARY, Trace, span_tree
+from ops.trace.timeline import SUMMARY, Trace, span_tree
 
 
 def chrome_trace(trace: Trace) -> dict:
