@@ -76,7 +76,9 @@ def run(args) -> int:
 def register(subparsers) -> None:
     parser = subparsers.add_parser("trace", help="show one request's path across services, from the logs")
     parser.add_argument("request_id", metavar="REQUEST_ID", help="a request id (or trace id)")
-    parser.add_argument("sources", nargs="*", metavar="SOURCE",
+    # default=[]: without a default, argparse counts a "*" positional as required and names it in
+    # the usage error ("required: REQUEST_ID, SOURCE") although no SOURCE is needed
+    parser.add_argument("sources", nargs="*", metavar="SOURCE", default=[],
                         help="log files, run directories, or - for stdin (docker compose logs); "
                              "default: the current run (.epd/runs/current, or $EPD_RUN_ROOT/current)")
     parser.add_argument("--run-dir", help="a run directory whose logs/*.log to read")

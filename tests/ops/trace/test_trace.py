@@ -231,3 +231,21 @@ def test_cli_reports_missing_sources(tmp_path, monkeypatch, capsys):
     assert "no current run" in capsys.readouterr().err
     assert _cli(["trace", "req-1", str(tmp_path / "nope.log")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_epd_trace_with_only_a_request_id_reads_the_current_run(tmp_path, monkeypatch, capsys):
+    from ops.cli import main
+    _write_run_dir(tmp_path / "runs" / "run-1")
+    (tmp_path / "runs" / "current").symlink_to(tmp_path / "runs" / "run-1")
+    monkeypatch.setenv("EPD_RUN_ROOT", str(tmp_path / "runs"))
+    assert main(["trace", "req-1"]) == 0
+    assert "3 instances" in capsys.readouterr().out
+
+
+def test_epd_trace_without_a_request_id_names_only_request_id_as_missing(capsys):
+    from ops.cli import main
+    with pytest.raises(SystemExit) as exited:
+        main(["trace"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "required: REQUEST_ID" in err and "SOURCE" not in err.splitlines()[-1]
