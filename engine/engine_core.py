@@ -329,6 +329,8 @@ class EngineCore:
         validate_sampling_params(params, f"request {rid!r} sampling")
         if params.max_tokens < 1:
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {params.max_tokens}")
+        if params.thinking_budget >= 0 and not 0 <= params.think_end_id < vocab:
+            raise ValueError(f"request {rid!r}: think_end_id {params.think_end_id} is outside the vocabulary")
         if len(generated_ids) >= params.max_tokens:
             raise ValueError(f"request {rid!r}: already generated {len(generated_ids)} tokens, "
                              f"max_tokens is {params.max_tokens}")

@@ -3,7 +3,8 @@
 Batched mode packs every chunk into one forward. Batch-invariant mode runs one forward per
 sequence, so a sequence's numerics never see the other rows (the scheduler keeps its chunks
 independent of the batch too). Rows whose grammar is active get its token bitmask applied to their
-logits before sampling (engine/grammar/); a batch without one does no mask work at all.
+logits before sampling (engine/grammar/); a batch without one does no mask work at all. A row that
+spent its thinking budget gets its end-of-thinking token forced the same way (sampling/thinking.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from engine.kv.manager import KVCache
 from engine.models.v4.model import DeepseekV4
 from engine.sampling import SampleResult, sample, seed_step
 from engine.sampling.logprobs import chosen_logprobs, raw_logprobs, top_logprobs
+from engine.sampling.thinking import force_tokens_, forced_think_end
 from engine.scheduler.sequence import Sequence
 from messages.common import SamplingParams
 
@@ -47,10 +49,13 @@ class ModelRunner:
         rows = rows.float()
         params = [s.sampling for s in seqs]
         unmasked = None
-        if bitmask is not None:
+        forced = [(row, token) for row, seq in enumerate(seqs) if (token := forced_think_end(seq)) is not None]
+        if bitmask is not None or forced:
             if any(p.logprobs or p.top_logprobs for p in params):
                 unmasked = rows.clone()   # logprobs are reported under the model's raw distribution
-            apply_token_bitmask_(rows, bitmask)   # one host-to-device copy inside
+            if bitmask is not None:
+                apply_token_bitmask_(rows, bitmask)   # one host-to-device copy inside
+            force_tokens_(rows, forced)
         for seq in seqs:   # the draw for output token k depends on (seed, k) only: hand-offs and resumes match
             if seq.generator is not None:
                 seed_step(seq.generator, seq.sampling.seed, seq.sampling.step_offset + seq.num_generated)
@@ -102,7 +107,7 @@ def image_rows(seq: Sequence, start: int, count: int, device) -> tuple[torch.Ten
 
 
 def _report_unmasked_logprobs(result: SampleResult, logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    """Replace the logprobs `sample` computed from grammar-masked logits with those of the unmasked
+    """Replace the logprobs `sample` computed from grammar-masked (or forced) logits with those of the unmasked
     ones: the mask shapes the draw, like top-k, not the reported numbers (sampling/logprobs.py)."""
     logprobs = raw_logprobs(logits)
     if result.logprobs is not None:

@@ -33,6 +33,8 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False):
     ignore_eos: bool = False
     step_offset: int = 0        # output tokens produced before this request (a resumed request's): its
                                 # seeded draws continue at that index, as if it had never stopped
+    thinking_budget: int = -1   # >= 0: once this many tokens were generated inside the thinking section,
+    think_end_id: int = -1      # the next token is forced to think_end_id (Anthropic budget_tokens); -1 = off
 
 
 class Usage(msgspec.Struct, array_like=True, gc=False):

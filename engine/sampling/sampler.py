@@ -50,6 +50,9 @@ def validate_sampling_params(params: SamplingParams, where: str = "sampling") ->
         raise ValueError(f"{where}.top_k must be >= 0 (0 = off), got {params.top_k!r}")
     if isinstance(params.step_offset, bool) or not isinstance(params.step_offset, int) or params.step_offset < 0:
         raise ValueError(f"{where}.step_offset must be an int >= 0, got {params.step_offset!r}")
+    if params.thinking_budget < -1 or (params.thinking_budget >= 0 and params.think_end_id < 0):
+        raise ValueError(f"{where}.thinking_budget must be -1 (off) or >= 0 with a think_end_id, got "
+                         f"{params.thinking_budget!r} and {params.think_end_id!r}")
     if not (0 <= params.top_logprobs <= MAX_TOP_LOGPROBS):
         raise ValueError(f"{where}.top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {params.top_logprobs!r}")
 
