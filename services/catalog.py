@@ -24,6 +24,32 @@ KINDS: dict[str, str] = {
     "decode_router": "services.decode_router.service:DecodeRouterService",
 }
 
+# kind -> the dataclass its settings are parsed into (services/runtime/settings.py), each in a module
+# light enough for `epd up` to check every service's settings before it starts one
+SETTINGS: dict[str, str] = {
+    "swa_registry": "services.swa_registry.service:SwaRegistrySettings",
+    "kv_writer": "services.kv_writer.service:KvWriterSettings",
+    "grammar_compiler": "services.grammar_compiler.service:GrammarCompilerSettings",
+    "vision_balancer": "services.vision_balancer.service:VisionBalancerSettings",
+    "vision_worker": "services.vision_worker.settings:VisionWorkerSettings",
+    "gateway": "services.gateway.service:GatewaySettings",
+    "unified_worker": "services.workers.settings:WorkerSettings",
+    "prefill_worker": "services.workers.settings:WorkerSettings",
+    "decode_worker": "services.workers.settings:WorkerSettings",
+    "prefill_router": "services.prefill_router.settings:PrefillRouterSettings",
+    "decode_router": "services.decode_router.service:DecodeRouterSettings",
+}
+
+
+def settings_class(kind: str) -> type | None:
+    """The settings dataclass of a catalog kind; None for "echo" (the diagnostic service reads none) and for a
+    "module:Class" kind, which checks its own settings when it starts."""
+    target = SETTINGS.get(kind)
+    if target is None:
+        return None
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
 
 def resolve(kind: str) -> type[Service]:
     target = KINDS.get(kind, kind)

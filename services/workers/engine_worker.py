@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 from messages import ErrorReply
 from messages.control import Load
@@ -25,36 +24,13 @@ from messages.handoff import KV_LAYOUT_VERSION, SwaFetch, SwaState
 from messages.errors import WireError
 from services.runtime.context import Context
 from services.runtime.service import Service
-from services.runtime.settings import flat_keys, parse_settings, require_positive
+from services.runtime.settings import parse_settings
 from services.workers.engine_thread import EngineThread
 from services.workers.grammar import GrammarSource
 from services.workers.images import ImageRows
 from services.workers.persist import BlockPersister
+from services.workers.settings import ENGINE_KEYS, WorkerSettings  # noqa: F401 - ENGINE_KEYS: tests read it here
 from services.workers.tensors import to_frame
-
-ENGINE_KEYS = ("model_dir", "device", "dtype", "num_pages", "max_num_seqs", "max_batched_tokens",
-               "enable_prefix_cache", "batch_invariant", "max_model_len", "swa_cache_bytes", "bounded_replay",
-               "replay_trim", "cuda_graphs", "torch_threads", "weights")   # engine.engine_core.EngineConfig's fields (a test keeps them equal)
-
-
-@dataclass(slots=True, frozen=True)
-class WorkerSettings:
-    engine: dict = flat_keys(ENGINE_KEYS)
-    kv_writer: str = ""
-    kv_store_dir: str = ""
-    swa_registry: str = ""
-    swa_ttl_s: float = 180.0
-    handoff_timeout_s: float = 30.0
-    fetch_timeout_s: float = 5.0
-    grammar_timeout_s: float = 15.0   # a constraint's artifact from its compiler (which gives up at 10 s)
-    vision_timeout_s: float = 30.0    # a request's image embeddings from one vision group (then one retry)
-    capacity: int = 0
-
-    def __post_init__(self) -> None:
-        require_positive(self, "swa_ttl_s", "handoff_timeout_s", "fetch_timeout_s", "grammar_timeout_s",
-                         "vision_timeout_s")
-        if self.capacity < 0:
-            raise ValueError("capacity must be >= 0")
 
 
 def page_layout(engine) -> str:

@@ -1,0 +1,31 @@
+"""A worker's settings (ServiceConfig.settings), apart from the worker so that `epd up` can check
+them before it starts anything without importing torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.runtime.settings import flat_keys, require_positive
+
+ENGINE_KEYS = ("model_dir", "device", "dtype", "num_pages", "max_num_seqs", "max_batched_tokens",
+               "enable_prefix_cache", "batch_invariant", "max_model_len", "swa_cache_bytes", "bounded_replay",
+               "replay_trim", "cuda_graphs", "torch_threads", "weights")   # engine.engine_core.EngineConfig's fields (a test keeps them equal)
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerSettings:
+    engine: dict = flat_keys(ENGINE_KEYS)
+    kv_writer: str = ""
+    kv_store_dir: str = ""
+    swa_registry: str = ""
+    swa_ttl_s: float = 180.0
+    handoff_timeout_s: float = 30.0
+    fetch_timeout_s: float = 5.0
+    grammar_timeout_s: float = 15.0   # a constraint's artifact from its compiler (which gives up at 10 s)
+    vision_timeout_s: float = 30.0    # a request's image embeddings from one vision group (then one retry)
+    capacity: int = 0
+
+    def __post_init__(self) -> None:
+        require_positive(self, "swa_ttl_s", "handoff_timeout_s", "fetch_timeout_s", "grammar_timeout_s",
+                         "vision_timeout_s")
+        if self.capacity < 0:
+            raise ValueError("capacity must be >= 0")
