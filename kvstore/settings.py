@@ -13,7 +13,7 @@ FSYNC_POLICIES = ("none", "batch", "always")
 
 
 def default_ttls() -> dict[str, float]:
-    return {"agent": 3 * DAY, "chatbot": 7 * DAY}   # seeds: agent traffic 3 days, chatbot 7 days
+    return {"agent": 3 * DAY, "chatbot": 7 * DAY}   # DeepSeek's: agent traffic 3 days, chatbot 7 days
 
 
 @dataclass(slots=True, frozen=True)

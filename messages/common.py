@@ -7,7 +7,7 @@ import msgspec
 
 
 class TrafficClass(IntEnum):
-    """Decides the KV store's TTL (seeds: agent 3 days, chatbot 7 days)."""
+    """Decides the KV store's TTL (DeepSeek's: agent 3 days, chatbot 7 days)."""
 
     CHATBOT = 0
     AGENT = 1

@@ -27,7 +27,7 @@ class GenerateRequest(Message):
     exact_prefix: bool = False             # no approximate prefix hit (V4.1 bounded replay): set on a
                                            # resumed attempt, which must continue exactly (gateway/resume.py)
     vision_groups: list[str] = []          # live vision balancers (group leaders): the prefill side picks one
-                                           # at random to encode `images` (seed 000)
+                                           # at random to encode `images` (DeepSeek's rule)
     avoid_workers: list[str] = []          # addresses of workers that died under an earlier attempt of this
                                            # request (gateway/resume.py): not chosen again until they heartbeat
 

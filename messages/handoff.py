@@ -36,7 +36,7 @@ class KVSnapshot(msgspec.Struct, array_like=True, gc=False):
     roles: list[int] = []            # BufferRole of each buffer, in buffer order
     num_cached_tokens: int = 0       # prompt tokens the sender took from its prefix cache (usage)
     window_cacheable: bool = True    # False: the window came out of a trimmed replay prefill (V4.1,
-                                     # seed 003): the receiver continues from it but never caches it
+                                     # bounded replay): the receiver continues from it but never caches it
 
 
 @register(0x0401)

@@ -44,7 +44,7 @@ class DecodeTableQuery(Message):
 @register(0x0306)
 class DecodeTable(Message):
     """The decode router's view of its workers: every alive, registered decode worker with the load
-    of its last heartbeat and that heartbeat's age, and the weights of the seeds' decode score
+    of its last heartbeat and that heartbeat's age, and the weights of DeepSeek's decode score
     (score = alpha * kv_usage + beta * batch_size, normalised; see services/decode_router/core.py)."""
 
     workers: list[PeerStatus] = []

@@ -1,4 +1,4 @@
-"""`epd replay-check`: the seeds' two-level equivalence check of bounded replay (V4.1 models).
+"""`epd replay-check`: DeepInfer's two-level equivalence check of bounded replay (V4.1 models).
 
 Level 1 (metadata) must hold exactly; level 2 prints how far replay's teacher-forced log-probs are
 from a full recompute, against the pass marks in engine.models.v41.replay_check.THRESHOLDS. Replay is

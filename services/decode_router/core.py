@@ -1,6 +1,6 @@
-"""The decode score (seeds 000/001): which decode instance takes a request, lowest score wins.
+"""The decode score (docs/design/serving.md): which decode instance takes a request, lowest score wins.
 
-score = alpha * kv_usage + beta * batch_norm. The seeds balance both dimensions because either
+score = alpha * kv_usage + beta * batch_norm. DeepSeek balances both dimensions because either
 alone fails: by request count alone long contexts pile up on one instance, by KV length alone batch
 sizes drift apart. They give no values for alpha and beta; ours weigh the two equally (1.0, 1.0),
 which is what "balance both" means once both are on a 0..1 scale:
@@ -26,7 +26,7 @@ from messages.control import Load
 
 @dataclass(frozen=True, slots=True)
 class DecodePolicy:
-    alpha: float = 1.0        # weight of kv_usage (ours; the seeds give no value)
+    alpha: float = 1.0        # weight of kv_usage (ours; DeepSeek gives no value)
     beta: float = 1.0         # weight of the normalised batch size (ours)
 
     def __post_init__(self) -> None:

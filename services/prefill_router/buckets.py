@@ -3,7 +3,7 @@
 Seeds (000, 001): requests are split by total input length into 4 buckets so that requests whose
 compute differs by orders of magnitude never queue behind each other; each bucket has its own
 engines, and the number of engines per bucket follows the bucket's share of the previous round's
-compute-quota demand, quota = alpha * (total - hit + theta)^2 + beta * hit. The seeds call the
+compute-quota demand, quota = alpha * (total - hit + theta)^2 + beta * hit. DeepSeek calls the
 formula schematic and alpha/beta/theta fitted parameters without giving values, and give no
 bucket boundaries: the defaults below are ours (see QuotaModel and DEFAULT_BOUNDS).
 """
@@ -38,7 +38,7 @@ def bucket_of(total_tokens: int, bounds: Sequence[int] = DEFAULT_BOUNDS) -> int:
 @dataclass(frozen=True, slots=True)
 class QuotaModel:
     """quota = alpha * (total - hit + theta)^2 + beta * hit, in arbitrary units (only shares matter,
-    so alpha's scale is free). Defaults (ours; the seeds give none): theta = 4096 makes the cost of
+    so alpha's scale is free). Defaults (ours; DeepSeek gives none): theta = 4096 makes the cost of
     an uncached token grow linearly (the MLP / MoE part, 2 * alpha * theta per token) until the
     uncached length nears theta, then quadratically (attention); beta = 1024 prices a cached token
     (loaded, attended to) at 1/8 of an uncached one at small lengths."""

@@ -3,7 +3,7 @@
 Pure and synchronous, with an injectable clock (pass `now`, or leave it out and the core asks its
 `clock`). The shell feeds it the prefill ranks it sees (`update_ranks`, from membership and
 heartbeats) and the requests it receives (`submit`, with the hit length already known), and asks
-it what to send now (`pump`). Vocabulary (seeds 000/001):
+it what to send now (`pump`). Vocabulary (docs/design/serving.md):
 
 - rank: one prefill worker (one DP rank); group: a DP group of ranks, one engine. A rank names its
   group when it registers (see the shell); a rank without a group is a group of its own.

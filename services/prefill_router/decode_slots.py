@@ -2,7 +2,7 @@
 
 The decode router publishes DecodeTable (each live decode worker's last heartbeat load and that
 heartbeat's age); the prefill router refreshes it in the background, so choosing costs no round
-trip. A choice is a reservation: it counts toward its worker's batch (`pending` in the seeds'
+trip. A choice is a reservation: it counts toward its worker's batch (`pending` in DeepSeek's
 score, services/decode_router/core.py) from the moment it is made until the worker's own reports
 can show it, that is until a heartbeat sent after the hand-off completed (PrefillDone) is in the
 table. A request that fails or is aborted before its hand-off releases its slot at once.

@@ -1,4 +1,4 @@
-"""How much of a prompt a prefill worker loads instead of computing (SYSTEM.md, Numbers: hit length).
+"""How much of a prompt a prefill worker loads instead of computing (docs/design/serving.md, Hit length).
 
 L1 is the block-KV hit from the KV store's index (a multiple of 128). The sliding-window state
 is needed at the boundary where prefill resumes, so:
@@ -8,16 +8,16 @@ is needed at the boundary where prefill resumes, so:
   2. if the window [probe - 128, probe] is found (the prefill worker's own, or a holder's through
      the SWA registry), the hit is the probe; otherwise the worker backs off one block:
      hit = probe - 128 (services/workers/prefix_load.py). A V4 worker needs the window there too,
-     so it asks for both boundaries in its one fetch; a V4.1 worker (bounded replay, seed 003)
+     so it asks for both boundaries in its one fetch; a V4.1 worker (bounded replay)
      takes the pages up to the probe without any window and recomputes their last block, so its
      hit is probe - 128 whether or not L1 - 128's window exists: the same number either way.
 All functions are pure; bad input raises ValueError.
 """
 from __future__ import annotations
 
-from messages.prefix import BLOCK_TOKENS   # seeds: block KV pages of 128 tokens
-SWA_WINDOW = 128         # seeds: the SWA window covers the last 128 tokens
-ROLLBACK_SLACK = 6       # SYSTEM.md: L - 134 = 128 window + 6 tokens of speculative rollback
+from messages.prefix import BLOCK_TOKENS   # block KV pages of 128 tokens
+SWA_WINDOW = 128         # the SWA window covers the last 128 tokens
+ROLLBACK_SLACK = 6       # L - 134 = 128 window + 6 tokens of speculative rollback
 
 
 def _check(prompt_len: int, kv_hit_tokens: int = 0) -> None:

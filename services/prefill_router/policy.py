@@ -13,9 +13,9 @@ from services.runtime.settings import flat_field
 
 @dataclass(frozen=True, slots=True)
 class RouterPolicy:
-    bucket_bounds: tuple[int, ...] = DEFAULT_BOUNDS   # seeds: 4 buckets; the bounds are ours
+    bucket_bounds: tuple[int, ...] = DEFAULT_BOUNDS   # DeepSeek's 4 buckets; the bounds are ours
     quota: QuotaModel = flat_field(QuotaModel)     # settings give alpha, beta, theta at the top level
-    round_s: float = 10.0               # re-balance period (ours; the seeds say "last round")
+    round_s: float = 10.0               # re-balance period (ours; DeepSeek says "last round")
     queue_limit: int = 1024             # requests waiting per bucket
     queue_token_limit: int = 1 << 24    # uncached tokens waiting per bucket (16 Mi)
     max_queue_wait_s: float = 300.0     # a request waiting longer fails OVERLOADED

@@ -40,7 +40,7 @@ _COMPACT_SLACK = 1024     # stale heap items tolerated beyond the live entries b
 
 @dataclass(slots=True, frozen=True)
 class RegistryLimits:
-    default_ttl_s: float = 180.0          # seeds: SWA state TTL ~180 s, hit rate > 98%
+    default_ttl_s: float = 180.0          # DeepSeek's: SWA state TTL ~180 s, hit rate > 98%
     max_ttl_s: float = 600.0
     max_entries: int = 1_000_000
     max_hashes_per_message: int = 4096

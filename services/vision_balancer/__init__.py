@@ -1,2 +1,2 @@
 """Vision balancer: a group's leader; gives each image to the worker with the fewest queued
-patches (README.md, seed 000)."""
+patches (README.md)."""

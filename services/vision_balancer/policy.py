@@ -1,6 +1,6 @@
 """Which vision worker of a group takes the next image: the leader's choice, pure.
 
-`patches` is seed 000's rule: the worker with the fewest queued patches (the leader's own count:
+`patches` is DeepSeek's rule: the worker with the fewest queued patches (the leader's own count:
 added on dispatch, removed when the worker reports the job done), ties to the one with fewer jobs
 in flight, then to the first by name. `round_robin` and `random` ignore the queues; they exist for
 `epd bench vision`, which measures what counting patches buys.

@@ -1,4 +1,4 @@
-"""VisionBalancerService: a group's leader in the vision pool (README.md; seed 000).
+"""VisionBalancerService: a group's leader in the vision pool (README.md).
 
 The group's vision workers register with it. VisionEncode (a call from a prefill or unified worker)
 is answered VisionAccepted once every image is on a worker: each image goes to the worker with the
@@ -39,7 +39,7 @@ PASSING_CODES = (ErrorCode.DRAINING, ErrorCode.OVERLOADED, ErrorCode.PEER_DEAD)
 
 @dataclass(slots=True, frozen=True)
 class VisionBalancerSettings:
-    policy: str = "patches"     # seed 000's rule; round_robin and random are baselines for `epd bench vision`
+    policy: str = "patches"     # DeepSeek's rule; round_robin and random are baselines for `epd bench vision`
     seed: int = -1              # the random policy's seed (-1: unseeded)
     max_jobs: int = 65536       # jobs held at once; beyond it VisionEncode is OVERLOADED
 

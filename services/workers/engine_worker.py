@@ -7,7 +7,7 @@ Settings (ServiceConfig.settings): every EngineConfig field (model_dir, dtype, n
   kv_writer      address of the KV writer ("" = no block persistence / no KvReadPages)
   kv_store_dir   the store directory to read pages from directly (StoreReader); "" = KvReadPages
   swa_registry   address of the SWA registry ("" = window states are neither advertised nor fetched)
-  swa_ttl_s      TTL of the registrations (seeds: ~180 s)
+  swa_ttl_s      TTL of the registrations (DeepSeek's: ~180 s)
   handoff_timeout_s, fetch_timeout_s   timeouts of StateHandoff and SwaFetch / KvReadPages calls
   grammar_timeout_s  how long a constrained request waits for its grammar from the compiler
   vision_timeout_s   how long a request with images waits for their embeddings from one vision group

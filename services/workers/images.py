@@ -1,7 +1,7 @@
 """A request's images at the worker that prefills it: which need encoding, and their rows.
 
 The gateway sends each image's bytes as a buffer frame (messages/images.py); the worker asks the
-vision pool (vision_client.py: a random group, seed 000) for the span embeddings of every image its
+vision pool (vision_client.py: a random group) for the span embeddings of every image its
 engine may have to compute. A prefix hit H is computed from H - 128 at the earliest (V4.1 bounded
 replay replays the hit's last block), so an image ending at or before that needs no encoding: its
 blocks come from the store. What the engine is given covers everything after `from_position`; a hit

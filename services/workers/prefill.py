@@ -7,7 +7,7 @@ prefill, capacity = most requests it takes at once (settings.capacity, default m
 PrefillWork (request id in the envelope) -> the reply on the same path, PrefillDone or ErrorReply:
 1. the hit (prefix_load.py): `kv_hit_tokens` (the router's probe, L1 capped at L - 134) of block
    KV come from the KV store; the window state comes from this engine if it holds it, else from
-   the SWA registry in one forwarded call (the holder answers here directly). The seeds' rule:
+   the SWA registry in one forwarded call (the holder answers here directly). DeepSeek's rule:
    the window at L1 gives L1, else the window at L1 - 128 gives L1 - 128, else what this engine
    holds. A store or holder that fails only shortens the hit: it never fails the request.
    A constrained request's grammar is fetched from its compiler meanwhile (grammar.py).

@@ -5,10 +5,10 @@ resumes at a block boundary only with the window state there (the last 128 token
   - this engine already holds the pages and the state up to the probe: nothing to load;
   - else the pages come from the KV store (read here, StoreReader on kv_store_dir, or KvReadPages
     through the KV writer) while, at the same time, ONE SwaFetch to the SWA registry asks for the
-    window at the probe, else at the probe - 128 (seeds: L1, else L1 - 128); the registry forwards
+    window at the probe, else at the probe - 128 (L1, else L1 - 128); the registry forwards
     it to the holder, which answers here directly. No holder: only the windows this engine holds.
     An engine with bounded replay (V4.1) takes the pages up to the probe even without a window there:
-    it recomputes the last block to rebuild the window (seed 003), so no hit drops to 0.
+    it recomputes the last block to rebuild the window (bounded replay), so no hit drops to 0.
 Every failure (store unreadable, holder gone, timeout) only shortens the hit; none fails the request.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ class PrefixLoader:
         pages, state = await asyncio.gather(self._read_pages(hashes, rid, span),
                                             self._fetch_window([hashes[b // BLOCK_TOKENS - 1] for b in wanted], rid, span))
         at_probe = state is not None and state[0].block_hashes[0] == hashes[-1]
-        upto = hit_length(len(request.prompt_ids), probe, at_probe) // BLOCK_TOKENS   # seeds: L1, else L1 - 128
+        upto = hit_length(len(request.prompt_ids), probe, at_probe) // BLOCK_TOKENS   # L1, else L1 - 128
         if getattr(worker, "bounded_replay", False):
             upto = blocks   # the engine replays the last block when no window is there
         pages = pages[:upto]

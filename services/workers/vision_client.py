@@ -1,7 +1,7 @@
 """The prefill side of the vision pool: a prefill or unified worker gets a request's image rows.
 
 `await client.encode(request_id, images, groups)` picks one of the live group leaders (vision
-balancers, GenerateRequest.vision_groups) at random (seed 000), calls it with VisionEncode
+balancers, GenerateRequest.vision_groups) at random, calls it with VisionEncode
 (reply_to: this worker) and collects one VisionEncoded per image, sent here straight by the vision
 workers: a list of [grid.tokens, hidden] tensors in image order, views of the received frames.
 An attempt that is refused, reports a worker-side outage, or runs past `timeout_s` is cancelled
@@ -111,7 +111,7 @@ class VisionClient:
 
     # ---- attempts ----------------------------------------------------------------------
     def _leaders(self, groups: list[str]) -> list[str]:
-        """The groups in the order they are tried: a random one first (seed 000), then the others in
+        """The groups in the order they are tried: a random one first (DeepSeek's rule), then the others in
         random order; attempts cycle through them."""
         order = list(groups)
         self.rng.shuffle(order)

@@ -1,4 +1,4 @@
-"""Regression tests for the deepseek-recipe 0.2.0 gaps listed in REFERENCE.md section 2.
+"""Regression tests for the deepseek-recipe 0.2.0 gaps listed in docs/design/v4-reference.md.
 
 Each test first shows the library's own behaviour (the gap, as reproduced in 0.2.0), then the
 adapter's. If a later library fixes a gap, only the `reproduces` half needs updating.

@@ -3,7 +3,7 @@
 `build_nemo_model` gives a seeded random model of any V4.1 config (eager attention, torch
 linears/experts, fp32 RMSNorm). `nemo_released_state_dict` names its weights the way the released
 checkpoint does, `nemo_logits` runs one prompt, and `screened_prompts` drops the prompts whose
-logits hang on a knife-edge cache rounding (V41.md, "Testing against the reference").
+logits hang on a knife-edge cache rounding (docs/design/v41-reference.md).
 
 Weights. Every floating parameter and buffer is drawn from its own generator seeded by (seed,
 name), with the magnitudes `engine/models/v4/random_init.py` uses for V4, so nothing is trivially zero

@@ -1,6 +1,6 @@
 """Bounded replay on real processes (V4.1, the default model): a prefix whose window state has
 expired everywhere is still a hit. The other prefill worker reads the pages from the KV store, finds
-no window at L1 nor at L1 - 128, and its engine replays the last cached block (seed 003), so the
+no window at L1 nor at L1 - 128, and its engine replays the last cached block (bounded replay), so the
 request reports L1 - 128 cached tokens where V4 reports 0. Same stack as test_epd_reuse
 (tests/helpers/test_helper_reuse_stack.py), serving the tiny V4.1."""
 from __future__ import annotations

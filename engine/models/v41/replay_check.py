@@ -1,10 +1,10 @@
-"""The seeds' two-level equivalence check of bounded replay (seed 003) against a full recompute.
+"""DeepInfer's two-level equivalence check of bounded replay against a full recompute.
 
 A prompt's first H tokens (a block multiple) are computed and cached; their window states are then
 dropped (expired). The whole prompt is admitted again: the KV cache takes all H tokens' pages and
 replays the last block (kv/manager.py). The same prompt is also computed from scratch.
 
-Replay runs as the engine runs it, trimmed (the decoder side of seed 003): the layers above the last
+Replay runs as the engine runs it, trimmed (the decoder side, docs/design/serving.md): the layers above the last
 KV source see only the prompt's last 128 rows, from T = max(H - 128, L - 128), and only those rows
 get logits.
 

@@ -325,7 +325,7 @@ def test_a_model_init_directory_gives_the_same_logits_through_nemo_and_through_o
     nemo = nemo.float().eval()
     ours = load_model(model_dir, dtype=torch.float32)
     generator = torch.Generator().manual_seed(5)
-    # screened as V41.md says: longer prompts of this window-128 config flip a cache rounding more often
+    # screened (docs/design/v41-reference.md): longer prompts of this window-128 config flip a cache rounding more often
     candidates = [torch.randint(3, VOCAB, (length,), generator=generator).tolist() for length in range(20, 100, 8)]
     with torch.no_grad():
         screened = next(s for s in (nemo_helper.screen_prompt(nemo, ids) for ids in candidates) if s.kept)

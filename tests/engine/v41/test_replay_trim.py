@@ -1,4 +1,4 @@
-"""Trimmed bounded replay (seed 003, decoder side): on a replay prefill the layers above the last KV
+"""Trimmed bounded replay (decoder side): on a replay prefill the layers above the last KV
 source run only on the prompt's last 128 rows, from T = max(H - 128, L - 128) (engine/kv/manager.py,
 engine/models/v41/sub_batch.py).
 

@@ -4,7 +4,7 @@ preprocessing (`_preprocess_image`), and our VisionEncoder plus our prefill with
 vision_token_types (its `_image_embeddings` path), on tiny-v41 (a 2-layer ViT, Engram at layers 1-2).
 
 NeMo rounds its patches to bf16; ours carry the same bf16-rounded values in fp32, so the two are
-compared for equality. The forward comparison is screened as V41.md "Testing against the reference"
+compared for equality. The forward comparison is screened as docs/design/v41-reference.md says
 says (the cache rounding): a prompt is used only if NeMo's logits stay put when its quantizer, indexer
 and router inputs move by +-1e-6.
 """
@@ -213,7 +213,7 @@ def _nemo_logits(nemo, ids, images, types) -> torch.Tensor:
 
 def _screened(nemo, ids, images, types) -> torch.Tensor | None:
     """NeMo's logits if no strict +-1e-6 nudge of its roundings, selections and Engram gates moves
-    them by over 2e-5 of max |logit| and the last top-2 gap is clear (V41.md; the helper's
+    them by over 2e-5 of max |logit| and the last top-2 gap is clear (v41-reference.md; the helper's
     `screen_prompt`, on the image forward). Measured on this harness: every prompt whose logits
     differed from ours by over 1e-4 (10 of 40 at 96-180 tokens; the others agreed to 4e-7 or
     exactly) moved at least as much here; the default (non-strict) screen let 2 of 3 such through."""
