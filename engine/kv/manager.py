@@ -7,11 +7,11 @@ Prefix hits: a waiting sequence reuses the longest chain of cached pages matchin
 hashes, cut back to the last boundary whose window + tails are saved in the boundary cache (see
 swa.py), and never the whole prompt (the last prompt token is always computed, for its logits).
 
-Bounded replay (V4.1; seed 003, vLLM's `swa_bounded_replay`): when the pages reach further than
+Bounded replay (V4.1; docs/design/serving.md, vLLM's `swa_bounded_replay`): when the pages reach further than
 any saved window, the sequence takes all the pages and recomputes the last block's 128 tokens to
 rebuild the window, each token's window clamped at the replay start; the cached compressed pages
 are not rewritten (`PagedState.frozen_until`). Approximate by design: `epd replay-check` measures it.
-With `replay_trim` (the decoder side of seed 003) the layers above the last KV source run only on the
+With `replay_trim` (the decoder side of DeepSeek's replay) the layers above the last KV source run only on the
 prompt's last `window` rows (`PagedState.trim_from`; their windows start there), and no boundary
 state of that prefill is saved: its upper windows serve this request's decode, never the prefix cache.
 """
@@ -95,7 +95,7 @@ class KVCache:
 
     def _replays(self, num_pages: int, exact_blocks: int, allowed: bool = True) -> bool:
         """Replaying the last of `num_pages` cached blocks starts later than an exact hit of
-        `exact_blocks` (seeds: hits of one block or less are not worth a replay)."""
+        `exact_blocks` (as in vLLM: hits of one block or less are not worth a replay)."""
         return allowed and self.replay and num_pages >= 2 and num_pages - 1 > exact_blocks
 
     def can_admit(self, seq, hit: Hit, num_new: int) -> bool:

@@ -4,7 +4,7 @@ A request with images is prepared with one placeholder token per image. The gate
 each image (SSRF-safe, services/gateway/vision/), checks it decodes, plans its V4.1 grid, writes its
 span into the prompt and hashes the prompt's blocks with the images' digests. The request carries
 the images and the addresses of the live vision balancers (group leaders, registered here): the
-prefill side picks one at random (seed 000) and the embeddings go straight to it, never through here.
+prefill side picks one at random and the embeddings go straight to it, never through here.
 A bad image is a 400 naming where it was; a model with vision but no live vision group is a 503.
 """
 from __future__ import annotations

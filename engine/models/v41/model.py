@@ -9,7 +9,7 @@ Per block: [Engram] -> attention site -> FFN site, with single-pass mHC (`engine
 
 Images: `embeds` replaces the embedding rows of a prompt's image span with the vision encoder's
 (`engine.models.v41.vision`) before the hc expansion; in a step that carries any, every token whose id is
-`image_token_id` routes with `bias_vl` and has Engram masked (V41.md section 4).
+`image_token_id` routes with `bias_vl` and has Engram masked (docs/design/v41-reference.md).
 
 A trimmed replay (a state with `trim_from`, set by engine/kv/manager.py) runs the layers above the
 last KV source only on its rows at or after `trim_from` (`engine.models.v41.sub_batch`); the others get
