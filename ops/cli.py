@@ -14,7 +14,7 @@ COMMAND_MODULES = (
     "ops.keys_command",      # keys
     "ops.compose",           # compose
     "ops.kube",              # kube
-    "ops.bench",             # bench ...
+    "bench",                 # bench ...
     "ops.model_commands",    # model init
     "ops.replay_command",    # replay-check
     "ops.chaos.command",     # chaos

@@ -39,7 +39,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ops.bench.table import machine, write_json
+    from bench.common.table import machine, write_json
     from ops.chaos.client import Limits
     from ops.chaos.runner import Context
     from ops.chaos.scenarios import SCENARIOS

@@ -82,7 +82,7 @@ def table_rows(rows: list[Row]) -> list[list]:
 
 def format_report(rows: list[Row], title: str = "") -> str:
     """The table, then each scenario's notes and failed checks."""
-    from ops.bench.table import format_table
+    from bench.common.table import format_table
     out = [format_table(HEADERS, table_rows(rows), title)]
     for r in rows:
         lines = [*(f"  {n}" for n in r.notes), *(f"  FAILED: {f}" for f in r.failures)]

@@ -137,7 +137,7 @@ def bench8_narrow(dtype):
     """bench8's attention widths (512-entry top-k, 64 heads of 512), 4 layers (sliding, sliding, CSA,
     HCA), few experts, drawn on the GPU."""
     from engine.models.v4.config import ModelConfig
-    from ops.bench.engine_weights import draw_model
+    from bench.engine.weights import draw_model
 
     raw = read_config_dict("bench8")
     raw.update(num_hidden_layers=4, n_routed_experts=8, moe_intermediate_size=256, vocab_size=TEST_VOCAB,

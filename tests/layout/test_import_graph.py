@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("messages", "services", "engine", "kvstore", "ops")
+PACKAGES = ("messages", "services", "engine", "kvstore", "ops", "bench")
 MAX_LINES = 400
 SHORT = ("messages", "services", "engine", "kvstore")
 

@@ -11,9 +11,9 @@ import tomllib
 
 import pytest
 
-from ops import bench
-from ops.bench.stack import engine_device, pinned_gpus
-from ops.bench.stack_local import LocalStack, pinned_topology, topology_text
+import bench
+from bench.stack.command import engine_device, pinned_gpus
+from bench.common.local_stack import LocalStack, pinned_topology, topology_text
 from ops.launcher import Supervisor
 from ops.stack_commands import cmd_status
 from ops.topology import load_topology, parse_topology
@@ -188,7 +188,7 @@ def test_bench_pins_replace_a_topologys_gpus_and_unpinnable_topologies_are_error
 
 
 def test_the_summary_title_says_where_each_pinned_worker_and_the_engine_alone_ran():
-    from ops.bench.stack import _gpu_note
+    from bench.stack.command import _gpu_note
     results = {"gpus": {"prefill_worker-0": 0, "decode_worker-0": 1}, "gpu_names": ["NVIDIA H200"] * 2,
                "engine_settings": {"device": "cuda"}}
     assert _gpu_note(results) == ("; host GPUs: 2 x NVIDIA H200; prefill_worker-0 on GPU 0, decode_worker-0 on GPU 1, "

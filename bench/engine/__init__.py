@@ -1,0 +1,1 @@
+"""`epd bench engine`: EngineCore vs transformers DeepseekV4 vs the memory floor (command.py)."""

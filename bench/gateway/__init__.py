@@ -1,0 +1,1 @@
+"""`epd bench gateway`: the gateway adapter vs bare deepseek-recipe (command.py)."""

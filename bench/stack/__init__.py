@@ -1,0 +1,1 @@
+"""`epd bench stack`: the E/P/D stack over HTTP vs the engine alone (command.py)."""

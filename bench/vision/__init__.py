@@ -1,0 +1,1 @@
+"""`epd bench vision`: patch-aware vision balancing vs round robin and random (command.py)."""

@@ -1,0 +1,1 @@
+"""`epd bench wire`: the runtime transport vs raw pyzmq (command.py)."""
