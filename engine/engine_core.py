@@ -23,8 +23,9 @@ import torch
 
 from engine.kv.manager import KVCache
 from engine.kv.snapshot import make_boundary_snapshot, make_snapshot, parse_boundary_snapshot, parse_snapshot
-from engine.loading import load_model
-from engine.models.v4.loader import DTYPES
+from engine.loading import check_built_model, load_model
+from engine.models.common.dtypes import DTYPES
+from engine.models.spec import ModelSpec, check_model
 from engine.runner import ModelRunner
 from engine.sampling import make_generator, validate_sampling_params
 from engine.scheduler import Scheduler, Sequence, SequenceStatus
@@ -133,15 +134,23 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    """`model`: a model already built (any family satisfying `engine.models.spec.ModelSpec`) on
+    `config.device`, in `config.dtype` when that is set; None loads `config.model_dir`. The model
+    directory names the model either way: its identity keys the prefix cache."""
+
+    def __init__(self, config: EngineConfig, model: ModelSpec | None = None):
         self.config = config
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)   # process-wide: an engine owns its process
-        self.model = load_model(config.model_dir, config.device, config.dtype)
+        if model is None:
+            model = load_model(config.model_dir, config.device, config.dtype)
+        else:
+            check_built_model(check_model(model), config.device, config.dtype)
+        self.model = model
         if config.weights == "released":
             from engine.quant.pack_model import pack_model_
             pack_model_(self.model)
-        if hasattr(self.model, "decode_graphs"):  # V4's CUDA-graph decode; V4.1 runs eager for now
+        if self.model.decode_graphs is not None:  # V4's CUDA-graph decode; V4.1 runs eager for now
             self.model.decode_graphs.enabled = config.cuda_graphs
         model_config = self.model.config
         # packed weights compute other numbers: their KV must not mix with a plain engine's
@@ -342,7 +351,7 @@ class EngineCore:
 
     def _check_images(self, rid: str, prompt: Seq[int], images: Seq, embeds: Seq) -> None:
         """Image spans must lie in the prompt on the image token, each with [tokens, hidden] rows or None."""
-        image_token = getattr(self.model.config, "image_token_id", None)
+        image_token = self.model.config.image_token_id
         if embeds and len(embeds) != len(images):
             raise ValueError(f"request {rid!r}: {len(embeds)} image embeddings for {len(images)} images")
         end = 0
@@ -382,3 +391,4 @@ class EngineCore:
         self._finished_hashes[seq.request_id] = seq.block_hashes
         while len(self._finished_hashes) > 4 * self.config.max_num_seqs:
             self._finished_hashes.popitem(last=False)
+

@@ -13,7 +13,7 @@ import torch
 
 from engine.grammar.mask import apply_token_bitmask_, fill_bitmasks
 from engine.kv.manager import KVCache
-from engine.models.v4.model import DeepseekV4
+from engine.models.spec import ModelSpec
 from engine.sampling import SampleResult, sample, seed_step
 from engine.sampling.logprobs import chosen_logprobs, raw_logprobs, top_logprobs
 from engine.sampling.thinking import force_tokens_, forced_think_end
@@ -22,7 +22,7 @@ from messages.common import SamplingParams
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, kv: KVCache, batch_invariant: bool = False):
+    def __init__(self, model: ModelSpec, kv: KVCache, batch_invariant: bool = False):
         self.model, self.kv, self.batch_invariant = model, kv, batch_invariant
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SampleResult | None]:

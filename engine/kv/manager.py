@@ -27,7 +27,7 @@ from engine.kv.page_pool import PageLayout, PagePool
 from engine.kv.paged_state import PagedState
 from engine.kv.swa import BoundaryCache, BoundaryState, SwaSlots
 from engine.kv.tails import TailRings
-from engine.models.v4.config import ModelConfig
+from engine.models.spec import CacheSpec
 from messages.prefix import BLOCK_TOKENS
 
 
@@ -54,14 +54,14 @@ class Restored:
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, num_pages: int, num_slots: int, device, dtype: torch.dtype,
+    def __init__(self, config: CacheSpec, num_pages: int, num_slots: int, device, dtype: torch.dtype,
                  enable_prefix_cache: bool = True, boundary_cache_bytes: int = 1 << 30, block_size: int = BLOCK_TOKENS,
                  bounded_replay: bool = True, replay_trim: bool = True):
         self.config, self.block_size = config, block_size
         self.enable_prefix_cache = enable_prefix_cache
-        self.replay = bounded_replay and getattr(config, "supports_bounded_replay", False)
+        self.replay = bounded_replay and config.supports_bounded_replay
         # layers a trimmed replay runs on its last `window` rows only: those above the last KV source
-        last_source = getattr(config, "last_kv_source", -1)
+        last_source = config.last_kv_source
         trims = self.replay and replay_trim and last_source >= 0
         self.trimmed_layers = range(last_source + 1, config.num_layers) if trims else range(0)
         self.layout = PageLayout.from_config(config, block_size)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.v4.config import ModelConfig
+from engine.models.spec import CacheSpec
 from messages.prefix import BLOCK_TOKENS
 
 
@@ -32,7 +32,7 @@ class PageLayout:
     page_numel: int
 
     @classmethod
-    def from_config(cls, config: ModelConfig, block_size: int = BLOCK_TOKENS) -> "PageLayout":
+    def from_config(cls, config: CacheSpec, block_size: int = BLOCK_TOKENS) -> "PageLayout":
         slices, offset = [], 0
         for layer in range(config.num_layers):
             ratio = config.compress_ratio(layer)

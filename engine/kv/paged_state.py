@@ -1,5 +1,5 @@
 """One sequence's state in shared storage: block KV through a page table, the window and the
-compressor tails in rings of its slot. Implements `engine.models.v4.state.SequenceKV`; a batch of them
+compressor tails in rings of its slot. Implements `engine.models.spec.SequenceKV`; a batch of them
 decodes through one `DecodeView`."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from engine.kv.decode_view import DecodeView
 from engine.kv.page_pool import PagePool
 from engine.kv.swa import BoundaryState, SwaSlots
 from engine.kv.tails import TailRings, Tails, pack_tails, unpack_tails
-from engine.models.v4.config import ModelConfig
-from engine.models.v4.state import PoolerTail
+from engine.models.common.tail import PoolerTail
+from engine.models.spec import CacheSpec
 
 
 class PagedState:
     decode_view_type = DecodeView  # how a decode step of paged states runs batched (see DeepseekV4.forward)
 
-    def __init__(self, config: ModelConfig, pool: PagePool, slots: SwaSlots, rings: TailRings, slot: int):
+    def __init__(self, config: CacheSpec, pool: PagePool, slots: SwaSlots, rings: TailRings, slot: int):
         self.config, self.pool, self.slots, self.rings, self.slot = config, pool, slots, rings, slot
         self.num_tokens = 0
         self.frozen_until = 0  # bounded replay: compressed KV of tokens before this is cached; never rewritten

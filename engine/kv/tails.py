@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.v4.config import ModelConfig
-from engine.models.v4.state import PoolerTail, empty_tail
+from engine.models.common.tail import PoolerTail, empty_tail
+from engine.models.spec import CacheSpec
 
 Tails = list[tuple[PoolerTail | None, PoolerTail | None]]  # per layer: (compressor tail, indexer tail)
 
 
-def tail_shapes(config: ModelConfig, num_tokens: int) -> list[tuple[int, int, int, bool]]:
+def tail_shapes(config: CacheSpec, num_tokens: int) -> list[tuple[int, int, int, bool]]:
     """Per tail in order: (layer, ratio, head_dim, is_indexer)."""
     shapes = []
     for layer in range(config.num_layers):
@@ -30,7 +30,7 @@ def tail_shapes(config: ModelConfig, num_tokens: int) -> list[tuple[int, int, in
     return shapes
 
 
-def _parts(config: ModelConfig, layer: int, ratio: int, dim: int, num_tokens: int) -> list[tuple[int, int]]:
+def _parts(config: CacheSpec, layer: int, ratio: int, dim: int, num_tokens: int) -> list[tuple[int, int]]:
     overlap = config.overlapping_tail(layer)
     width, pending = (2 * dim if overlap else dim), num_tokens % ratio
     parts = [(pending, width), (pending, width)]
@@ -39,12 +39,12 @@ def _parts(config: ModelConfig, layer: int, ratio: int, dim: int, num_tokens: in
     return parts
 
 
-def tails_numel(config: ModelConfig, num_tokens: int) -> int:
+def tails_numel(config: CacheSpec, num_tokens: int) -> int:
     return sum(rows * width for layer, ratio, dim, _ in tail_shapes(config, num_tokens)
                for rows, width in _parts(config, layer, ratio, dim, num_tokens))
 
 
-def pack_tails(tails: Tails, config: ModelConfig, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+def pack_tails(tails: Tails, config: CacheSpec, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """One contiguous 1-D tensor holding every tail (checked against the expected shapes)."""
     pieces = []
     for layer, ratio, dim, is_indexer in tail_shapes(config, num_tokens):
@@ -60,7 +60,7 @@ def pack_tails(tails: Tails, config: ModelConfig, num_tokens: int, dtype: torch.
     return torch.cat(pieces)
 
 
-def unpack_tails(flat: torch.Tensor, config: ModelConfig, num_tokens: int, device, dtype: torch.dtype) -> Tails:
+def unpack_tails(flat: torch.Tensor, config: CacheSpec, num_tokens: int, device, dtype: torch.dtype) -> Tails:
     """Rebuild the per-layer tails (fresh tensors on `device`) from `pack_tails` output."""
     tails: Tails = [(None, None) for _ in range(config.num_layers)]
     flat = flat.reshape(-1)
@@ -100,7 +100,7 @@ class TailRings:
     prefill path and the flat wire layout use. Rows of positions older than the tail are stale.
     """
 
-    def __init__(self, config: ModelConfig, num_slots: int, device, dtype: torch.dtype):
+    def __init__(self, config: CacheSpec, num_slots: int, device, dtype: torch.dtype):
         self.kv: dict[tuple[int, bool], torch.Tensor] = {}  # (layer, is_indexer) -> [slots + 1, span, width]
         self.gate: dict[tuple[int, bool], torch.Tensor] = {}
         self.shape: dict[tuple[int, bool], tuple[int, int, bool]] = {}  # -> (ratio, head_dim, overlap)

@@ -16,19 +16,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from engine.models.v4.attention import GroupedLinear
+from engine.models.common.linear import GroupedLinear, linear_groups
+from engine.models.spec import ModelSpec, PackableExperts
 from engine.quant.packed import pack
 from engine.quant.packed_linear import PackedLinear
 
 EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")
 LINEAR_FORMATS = ("bf16", "fp8")
 
-# Linears the release keeps unquantized (suffix of the qualified module name), both families.
-V4_PLAIN = ("lm_head", "weights_proj")
-V41_PLAIN = ("head", "weights_proj", "indexer.wk", "compressor.wkv", "compressor.wgate", "engram.wkv")
-
-
-def pack_model_(model: nn.Module, experts: str = "mxfp4", linears: str = "fp8") -> dict:
+def pack_model_(model: ModelSpec, experts: str = "mxfp4", linears: str = "fp8") -> dict:
     """Pack `model` (DeepseekV4ForCausalLM or DeepseekV41) in place; returns what was packed."""
     block, done = _block(model, experts, linears), _summary(model, experts, linears)
     for module in _expert_modules(model, experts):
@@ -40,7 +36,7 @@ def pack_model_(model: nn.Module, experts: str = "mxfp4", linears: str = "fp8") 
     return done
 
 
-def round_to_formats_(model: nn.Module, experts: str = "mxfp4", linears: str = "fp8") -> dict:
+def round_to_formats_(model: ModelSpec, experts: str = "mxfp4", linears: str = "fp8") -> dict:
     """Round the weights `pack_model_` would pack onto their formats' grids, keeping plain modules."""
     block, done = _block(model, experts, linears), _summary(model, experts, linears)
     with torch.no_grad():
@@ -54,40 +50,36 @@ def round_to_formats_(model: nn.Module, experts: str = "mxfp4", linears: str = "
     return done
 
 
-def _block(model: nn.Module, experts: str, linears: str) -> int:
+def _block(model: ModelSpec, experts: str, linears: str) -> int:
     if experts not in EXPERT_FORMATS or linears not in LINEAR_FORMATS:
         raise ValueError(f"experts must be one of {EXPERT_FORMATS} and linears one of {LINEAR_FORMATS}, "
                          f"got {experts!r} / {linears!r}")
-    return 32 if _is_v41(model) else 128
+    return model.config.quant_block
 
 
-def _summary(model: nn.Module, experts: str, linears: str) -> dict:
-    return {"experts": experts, "linears": linears, "block": 32 if _is_v41(model) else 128,
+def _summary(model: ModelSpec, experts: str, linears: str) -> dict:
+    return {"experts": experts, "linears": linears, "block": model.config.quant_block,
             "expert_layers": 0, "linear_layers": 0}
 
 
-def _is_v41(model: nn.Module) -> bool:
-    return type(model).__name__ == "DeepseekV41"
-
-
-def _expert_modules(model: nn.Module, experts: str) -> list[nn.Module]:
-    """The routed-expert holders (V4 RoutedExperts, V4.1 MoE): they know how to pack themselves."""
+def _expert_modules(model: ModelSpec, experts: str) -> list[PackableExperts]:
+    """The routed-expert holders (V4 RoutedExperts, V4.1 MoE) with plain weights: they pack themselves."""
     if experts == "bf16":
         return []
-    return [m for m in model.modules() if hasattr(m, "pack_") and getattr(m, "expert_weights", list)()]
+    return [m for m in model.modules() if isinstance(m, PackableExperts) and m.expert_weights()]
 
 
-def _linears(model: nn.Module, linears: str, block: int) -> Iterator[tuple[nn.Module, str, nn.Module]]:
+def _linears(model: ModelSpec, linears: str, block: int) -> Iterator[tuple[nn.Module, str, nn.Module]]:
     """(parent, attribute, linear) for every linear the release quantizes that sits on the block grid."""
     if linears == "bf16":
         return
-    plain = V41_PLAIN if _is_v41(model) else V4_PLAIN
+    plain = model.config.unquantized_linears  # the release keeps these unquantized
     for name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if type(child) not in (nn.Linear, GroupedLinear) or full.endswith(plain):
                 continue
             rows, columns = child.weight.shape
-            if columns % block or (rows // getattr(child, "groups", 1)) % block:
+            if columns % block or (rows // linear_groups(child)) % block:
                 continue  # not on the block grid (a group's rows included): kept as is
             yield parent, child_name, child

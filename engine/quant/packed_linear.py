@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import use_kernels
+from engine.models.common.linear import linear_groups
 from engine.quant.packed import Packed, pack
 
 
@@ -32,7 +33,7 @@ class PackedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str, block: int) -> "PackedLinear":
-        groups = getattr(linear, "groups", 1)
+        groups = linear_groups(linear)
         with torch.no_grad():
             return cls(pack(linear.weight.detach(), fmt, block), groups)
 

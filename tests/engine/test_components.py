@@ -8,7 +8,7 @@ import torch
 from engine.models.v4.checkpoint_names import ExpertPiece, translate
 from engine.models.v4.compressor import Indexer
 from engine.models.v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig, load_config, read_config_dict
-from engine.models.v4.hyper import sinkhorn
+from engine.models.common.mhc import sinkhorn
 from engine.models.v4.loader import load_model
 from engine.models.v4.rope import Rotary
 from tests.engine.references import make_prompt, rel_err

@@ -9,7 +9,7 @@ from engine.kv.manager import KVCache
 from engine.kv.paged_state import PagedState
 from engine.kv.swa import SwaSlots
 from engine.kv.tails import pack_tails, unpack_tails
-from engine.models.v4.state import split_state
+from engine.models.common.state import split_state
 from tests.engine.references import make_prompt, rel_err
 
 CHUNKS = (1, 7, 61, 3, 129, 33, 200)

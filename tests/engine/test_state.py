@@ -7,7 +7,7 @@ import torch
 
 from engine.models.v4.config import CSA, HCA, SLIDING
 from engine.models.v4.generate import prefill
-from engine.models.v4.state import join_state, split_state, state_nbytes
+from engine.models.common.state import join_state, split_state, state_nbytes
 from tests.engine.references import make_prompt
 
 BLOCK = 128

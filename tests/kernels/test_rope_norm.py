@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.kernels import kernel_mode
-from engine.models.v4.norms import RMSNorm, unweighted_rms_norm
+from engine.models.common.norms import RMSNorm, unweighted_rms_norm
 from engine.models.v4.rope import apply_rope, apply_rope_after_norm, apply_rope_after_unweighted_norm
 from engine.models.v41 import rope as v41_rope
 

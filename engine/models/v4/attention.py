@@ -14,25 +14,13 @@ from engine.kernels import use_kernels
 from engine.models.v4.batch import ForwardBatch
 from engine.models.v4.compressor import Indexer, WindowPooler
 from engine.models.v4.config import CSA, HCA, SLIDING, ModelConfig
-from engine.models.v4.norms import RMSNorm
+from engine.models.common.linear import GroupedLinear
+from engine.models.common.norms import RMSNorm
 from engine.models.v4.rope import Rotary, apply_rope, apply_rope_after_norm, apply_rope_after_unweighted_norm
-from engine.models.v4.state import SequenceKV
+from engine.models.spec import SequenceKV
 
 QUERY_BLOCK = 256  # queries per attention block: bounds the score tensor for long prefills
 SCORE_ELEMENTS = 1 << 24  # the kernel path's indexer scores per chunk of queries (64 MiB of fp32)
-
-
-class GroupedLinear(nn.Linear):
-    """Block-diagonal projection: each of `groups` input slices has its own [out/groups, in] block."""
-
-    def __init__(self, in_per_group: int, out_features: int, groups: int):
-        super().__init__(in_per_group, out_features, bias=False)
-        self.groups = groups
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, groups, in_per_group] -> [T, groups * out_per_group]."""
-        weight = self.weight.view(self.groups, -1, self.weight.shape[-1])
-        return torch.einsum("tgi,goi->tgo", x, weight).flatten(1)
 
 
 class Attention(nn.Module):

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.models.v4.state import SequenceKV
+from engine.models.spec import SequenceKV
 
 
 @dataclass(slots=True)

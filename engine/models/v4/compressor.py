@@ -14,9 +14,9 @@ from torch import nn
 
 from engine.kernels import use_kernels
 from engine.models.v4.config import ModelConfig
-from engine.models.v4.norms import RMSNorm
+from engine.models.common.norms import RMSNorm
 from engine.models.v4.rope import Rotary, apply_rope
-from engine.models.v4.state import PoolerTail
+from engine.models.common.tail import PoolerTail
 
 
 class WindowPooler(nn.Module):

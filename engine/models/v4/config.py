@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from engine.models.common.config_file import read_config_dict
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -14,7 +15,6 @@ MOE = "moe"
 
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 _DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
-BUNDLED_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +100,7 @@ class ModelConfig:
         layer_type = self.layer_types[layer]
         return 0 if layer_type == SLIDING else int(self.compress_rates[layer_type])
 
-    # ---- what the KV cache holds per layer (V41Config answers the same questions)
+    # ---- the model contract (engine.models.spec.ModelConfigSpec); V41Config answers the same questions
     def owns_index_keys(self, layer: int) -> bool:
         return self.layer_types[layer] == CSA
 
@@ -118,9 +118,28 @@ class ModelConfig:
         return False
 
     @property
+    def last_kv_source(self) -> int:
+        """Every V4 layer reads only its own compressed KV: no trimmed replay."""
+        return -1
+
+    @property
     def engram_context(self) -> int:
         """V4 has no Engram: no earlier token ids are needed to continue a sequence."""
         return 0
+
+    @property
+    def image_token_id(self) -> None:
+        """V4 is text-only."""
+        return None
+
+    @property
+    def quant_block(self) -> int:
+        """The release's FP8 linears scale 128x128 blocks."""
+        return 128
+
+    @property
+    def unquantized_linears(self) -> tuple[str, ...]:
+        return ("lm_head", "weights_proj")
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -130,17 +149,6 @@ class ModelConfig:
 def load_config(name_or_path: str | Path) -> ModelConfig:
     """A bundled config name (`tiny`, `bench8`), a JSON file, or a model directory."""
     return ModelConfig.from_dict(read_config_dict(name_or_path))
-
-
-def read_config_dict(name_or_path: str | Path) -> dict:
-    path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    elif not path.exists() and (BUNDLED_CONFIGS / f"{name_or_path}.json").exists():
-        path = BUNDLED_CONFIGS / f"{name_or_path}.json"
-    if not path.exists():
-        raise FileNotFoundError(f"no model config at {name_or_path!r}")
-    return json.loads(path.read_text())
 
 
 def _parse(raw: dict) -> ModelConfig:

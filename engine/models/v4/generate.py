@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from engine.models.v4.model import DeepseekV4
-from engine.models.v4.state import SequenceState
+from engine.models.common.state import SequenceState
 
 
 def prefill(

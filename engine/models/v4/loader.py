@@ -8,24 +8,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.models.common.dtypes import parse_dtype
 from engine.models.v4.checkpoint_names import ExpertPiece, translate
 from engine.models.v4.config import ModelConfig, load_config
 from engine.models.v4.model import DeepseekV4
 
 # Parameters the reference keeps in fp32 whatever the model dtype (substring match on the name).
 FP32_MARKERS = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias", "norm")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = dtype.removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}")
-    return DTYPES[name]
-
 
 def keeps_fp32(name: str) -> bool:
     return any(marker in name for marker in FP32_MARKERS)

@@ -12,15 +12,17 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from engine.models.common.captures import checked_captures
+from engine.models.common.norms import RMSNorm
+from engine.models.common.state import SequenceState
+from engine.models.spec import ModelCapabilities, SequenceKV
 from engine.models.v4.attention import Attention
 from engine.models.v4.batch import ForwardBatch
 from engine.models.v4.config import ModelConfig
 from engine.models.v4.decode_graph import DecodeGraphs
 from engine.models.v4.hyper import HyperConnection, HyperHead, merge_streams
 from engine.models.v4.moe import MoE
-from engine.models.v4.norms import RMSNorm
 from engine.models.v4.rope import Rotary
-from engine.models.v4.state import SequenceKV, SequenceState
 
 
 class DecoderLayer(nn.Module):
@@ -60,6 +62,8 @@ class Backbone(nn.Module):
 
 
 class DeepseekV4(nn.Module):
+    """Satisfies `engine.models.spec.ModelSpec`."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -71,6 +75,11 @@ class DeepseekV4(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.batched_decode = True  # False: decode steps of paged states take the per-sequence path too
         self.decode_graphs = DecodeGraphs(self)  # CUDA only; .enabled = False for the eager batched path
+
+    @property
+    def capabilities(self) -> ModelCapabilities:
+        return ModelCapabilities(decode_graphs=True, bounded_replay=self.config.supports_bounded_replay,
+                                 trimmed_replay=False, vision=False, draft_heads=0)
 
     @property
     def device(self) -> torch.device:
@@ -101,11 +110,11 @@ class DeepseekV4(nn.Module):
         """
         if len(chunks) != len(states) or not chunks:
             raise ValueError("need one state per chunk and at least one chunk")
-        checked = _checked_captures(captures, chunks, states) if captures is not None else []
+        checked = checked_captures(captures, chunks, states) if captures is not None else []
         # the leading sequences that add one token each run batched (decodes come first in a step)
         singles = next((i for i, c in enumerate(chunks) if c.dim() != 1 or c.numel() != 1), len(chunks))
         one_each = singles == len(chunks)
-        view_type = getattr(states[0], "decode_view_type", None)  # the states' batched decode, if any
+        view_type = states[0].decode_view_type  # the states' batched decode, if any
         batched = (singles > 0 and self.batched_decode and view_type is not None
                    and view_type.supports(list(states[:singles])))
         if batched and one_each and not any(checked):  # captures copy state on the host: never in a graph
@@ -138,15 +147,3 @@ class DeepseekV4(nn.Module):
         rope = {name: rotary.cos_sin(positions, self.dtype) for name, rotary in self.rotaries.items()}
         return ForwardBatch(input_ids, positions, spans, list(states), rope)
 
-
-def _checked_captures(captures, chunks, states) -> list[tuple[int, ...]]:
-    if len(captures) != len(chunks):
-        raise ValueError("need one capture list per chunk")
-    checked = []
-    for positions, chunk, state in zip(captures, chunks, states):
-        positions = tuple(int(p) for p in positions)
-        first, end = state.num_tokens, state.num_tokens + chunk.numel()
-        if list(positions) != sorted(set(positions)) or any(not first < p <= end for p in positions):
-            raise ValueError(f"capture positions {positions} must ascend within ({first}, {end}]")
-        checked.append(positions)
-    return checked

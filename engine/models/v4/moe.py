@@ -9,12 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import use_kernels
+from engine.models.common.activations import clamped_swiglu
+from engine.models.spec import PackableExperts
 from engine.models.v4.config import HASH_MOE, ModelConfig
 from engine.quant.packed import Packed, pack
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def score_experts(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -65,7 +63,7 @@ class Router(nn.Module):
         return weights * self.scaling, experts
 
 
-class RoutedExperts(nn.Module):
+class RoutedExperts(PackableExperts):
     """Expert weights stored stacked, as in the HF checkpoint layout."""
 
     def __init__(self, config: ModelConfig):

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.models.common.dtypes import parse_dtype
 from engine.models.v4.config import ModelConfig, read_config_dict
-from engine.models.v4.loader import build_empty, parse_dtype, tensor_dtype
+from engine.models.v4.loader import build_empty, tensor_dtype
 
 MAX_SHARD_BYTES = 4 << 30
 V4_VOCAB_SIZE = 129280  # the shipped tokenizer's vocabulary; tests may pass a smaller one

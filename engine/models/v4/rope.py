@@ -12,7 +12,7 @@ import torch
 
 from engine.kernels import use_kernels
 from engine.models.v4.config import RopeSpec
-from engine.models.v4.norms import RMSNorm, unweighted_rms_norm
+from engine.models.common.norms import RMSNorm, unweighted_rms_norm
 
 
 def inverse_frequencies(spec: RopeSpec, rope_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.models.v4.attention import GroupedLinear
-from engine.models.v4.norms import RMSNorm
-from engine.models.v4.state import SequenceKV
+from engine.models.common.linear import GroupedLinear
+from engine.models.common.norms import RMSNorm
+from engine.models.spec import SequenceKV
 from engine.models.v41.cache_rounding import COMPRESSED_KV, SWA_KV, round_cache
 from engine.models.v41.compressor import LatentCompressor
 from engine.models.v41.config import REINDEX, SOURCE, V41Config

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.v4.norms import RMSNorm
-from engine.models.v4.state import PoolerTail
+from engine.models.common.norms import RMSNorm
+from engine.models.common.tail import PoolerTail
 from engine.models.v41.config import V41Config
 
 

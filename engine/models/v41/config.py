@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.models.v4.config import read_config_dict   # the same lookup as V4's: name, file or directory
+from engine.models.common.config_file import read_config_dict
 from messages.images import VisionSizing
 
 MODEL_TYPE = "deepseek_v41"
@@ -206,7 +206,7 @@ class V41Config:
     def last_kv_source(self) -> int:
         return max(self.kv_source_layer_ids, default=-1)
 
-    # ---- what the KV cache holds per layer (the same questions `engine.models.v4.config.ModelConfig` answers)
+    # ---- the model contract (engine.models.spec.ModelConfigSpec); V4's ModelConfig answers the same questions
     def compress_ratio(self, layer: int) -> int:
         """Tokens per compressed entry this layer OWNS in the cache (0 unless it is a KV source)."""
         return self.compress_ratios[layer] if layer in self.kv_source_layer_ids else 0
@@ -240,6 +240,15 @@ class V41Config:
 
 def is_v41(raw: dict) -> bool:
     """The gateway's rule too (services/gateway/model_dir.py): the model type names V4.1."""
+    @property
+    def quant_block(self) -> int:
+        """The release's FP8 linears and MXFP4 experts scale 32x32 blocks."""
+        return 32
+
+    @property
+    def unquantized_linears(self) -> tuple[str, ...]:
+        return ("head", "weights_proj", "indexer.wk", "compressor.wkv", "compressor.wgate", "engram.wkv")
+
     text = raw.get("text_config") or {}
     return raw.get("model_type") == MODEL_TYPE or text.get("model_type") == f"{MODEL_TYPE}_text"
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import use_kernels
-from engine.models.v4.hyper import mix_matrix
+from engine.models.common.mhc import mix_matrix
 from engine.models.v41.config import V41Config
 
 

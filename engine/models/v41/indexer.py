@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.v4.norms import RMSNorm
+from engine.models.common.norms import RMSNorm
 from engine.models.v41.cache_rounding import INDEX_QK, round_cache
 from engine.models.v41.config import V41Config
 from engine.models.v41.rope import apply_rope

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.models.v4.loader import parse_dtype
+from engine.models.common.dtypes import parse_dtype
 from engine.models.v41.checkpoint import iter_v41_state_dict
 from engine.models.v41.config import load_v41_config
 from engine.models.v41.engram_hash import NgramHasher

@@ -1,6 +1,6 @@
 """DeepSeek V4.1 causal LM (text) over explicit per-sequence state.
 
-`DeepseekV41.forward(chunks, states)` has V4's contract (`engine.models.v4.model.DeepseekV4`): a chunk
+`DeepseekV41.forward(chunks, states)` is the model contract's (`engine.models.spec.ModelSpec`): a chunk
 of new tokens per sequence (a whole prompt, a prefill piece, or one decode token), each state
 advanced in place. Module names are the released checkpoint's (`embed`, `layers.N.attn.wq_a`,
 `layers.N.hc_attn_fn`, `head`, ...), so a dequantized checkpoint loads with `load_state_dict`.
@@ -23,9 +23,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from engine.models.v4.model import _checked_captures
-from engine.models.v4.norms import RMSNorm
-from engine.models.v4.state import SequenceKV, SequenceState
+from engine.models.common.captures import checked_captures
+from engine.models.common.norms import RMSNorm
+from engine.models.common.state import SequenceState
+from engine.models.spec import ModelCapabilities, SequenceKV
 from engine.models.v41 import hyper
 from engine.models.v41.attention import Attention, Selection, V41Batch
 from engine.models.v41.config import V41Config
@@ -89,6 +90,14 @@ class DeepseekV41(nn.Module):
         self.layers = nn.ModuleList(Block(config, i, self.rotaries) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=torch.float32)
+        self.decode_graphs = None  # V4.1 decodes eagerly for now
+
+    @property
+    def capabilities(self) -> ModelCapabilities:
+        config = self.config
+        return ModelCapabilities(decode_graphs=False, bounded_replay=config.supports_bounded_replay,
+                                 trimmed_replay=config.last_kv_source >= 0, vision=config.image_token_id is not None,
+                                 draft_heads=0)   # the release's MTP layer is not run (num_nextn_predict_layers)
 
     @property
     def device(self) -> torch.device:
@@ -136,7 +145,7 @@ class DeepseekV41(nn.Module):
         rows = self._embed_rows(chunks, embeds)
         batch = self._pack(chunks, states, image_masks, by_id=rows is not None)
         if captures is not None:
-            batch.captures = _checked_captures(captures, chunks, states)
+            batch.captures = checked_captures(captures, chunks, states)
         skips = trimmed_rows(batch) if self.config.last_kv_source >= 0 else None
         if skips is not None and any(skip and batch.captures and batch.captures[i] for i, skip in enumerate(skips)):
             raise ValueError("a chunk with trimmed replay rows cannot capture a boundary (its upper windows are cut)")

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import use_kernels
-from engine.models.v4.moe import clamped_swiglu
+from engine.models.common.activations import clamped_swiglu
+from engine.models.spec import PackableExperts
 from engine.quant.packed import Packed, pack_stack
 from engine.models.v41.config import V41Config
 
@@ -61,7 +62,7 @@ class Gate(nn.Module):
         return weights * self.scaling, experts
 
 
-class MoE(nn.Module):
+class MoE(PackableExperts):
     def __init__(self, config: V41Config):
         super().__init__()
         self.gate = Gate(config)

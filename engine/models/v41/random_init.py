@@ -37,7 +37,7 @@ from engine.models.v41.checkpoint import (
     scale_name,
     vision_tensor_specs,
 )
-from engine.models.v4.config import read_config_dict
+from engine.models.common.config_file import read_config_dict
 from engine.models.v41.config import V41Config, load_v41_config
 from engine.models.v41.safetensors_stream import SafetensorsStream
 from engine.models.v41.tokenizer_file import V41_VOCAB_SIZE, write_v41_tokenizer

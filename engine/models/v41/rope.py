@@ -16,7 +16,7 @@ import math
 import torch
 
 from engine.kernels import use_kernels
-from engine.models.v4.norms import RMSNorm
+from engine.models.common.norms import RMSNorm
 
 
 def rope_frequencies(theta: float, rope_dim: int, scaling: dict | None = None) -> torch.Tensor:

@@ -27,7 +27,7 @@ class SubBatch:
 def trimmed_rows(batch: V41Batch) -> list[int] | None:
     """Per sequence, how many leading rows of its chunk are below its state's `trim_from`; None when
     no sequence has any (ordinary prefills, decodes, a replay past its trim point)."""
-    skips = [min(max(0, getattr(state, "trim_from", 0) - selection.first), end - start)
+    skips = [min(max(0, state.trim_from - selection.first), end - start)
              for (start, end), state, selection in zip(batch.spans, batch.states, batch.selections)]
     return skips if any(skips) else None
 

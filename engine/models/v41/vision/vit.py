@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.v4.norms import RMSNorm
+from engine.models.common.norms import RMSNorm
 from engine.models.v41.config import V41VisionConfig
 
 NORM_EPS = 1e-6  # the reference's vision RMSNorm default; the config has no field for it

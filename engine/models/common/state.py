@@ -10,7 +10,7 @@ For every layer a sequence holds:
 `split_state` / `join_state` cut a state at a block boundary into pages of block KV + the SWA
 windows + the tails, and rebuild it; a rebuilt state continues bit-identically.
 
-Attention reaches a state only through the `SequenceKV` methods, so storage is the state's
+Attention reaches a state only through the `engine.models.spec.SequenceKV` methods, so storage is the state's
 business: `SequenceState` keeps contiguous tensors (the simple oracle); `engine.kv.PagedState`
 keeps block KV in pool pages through a page table, and the window and the tails in per-slot rings
 (which also lets a decode step of many paged sequences run batched: `engine.kv.decode_view`).
@@ -19,22 +19,12 @@ keeps block KV in pool pages through a page table, and the window and the tails 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar
 
 import torch
 
-from engine.models.v4.config import ModelConfig
-
-
-@dataclass(slots=True)
-class PoolerTail:
-    pending_kv: torch.Tensor  # [p < ratio, width] projected kv of tokens after the last full window
-    pending_gate: torch.Tensor  # [p, width] raw gate logits of those tokens
-    overlap_kv: torch.Tensor | None = None  # [ratio, head_dim] CSA: first ("Ca") half of the last full window
-    overlap_gate: torch.Tensor | None = None  # [ratio, head_dim] raw gate logits of that half
-
-    def clone(self) -> "PoolerTail":
-        return PoolerTail(*(None if t is None else t.clone() for t in _tail_tensors(self)))
+from engine.models.common.tail import PoolerTail, empty_tail, tail_tensors
+from engine.models.spec import CacheSpec
 
 
 @dataclass(slots=True)
@@ -55,37 +45,6 @@ class LayerState:
         )
 
 
-class SequenceKV(Protocol):
-    """What attention needs from one sequence's state; positions are absolute token positions."""
-
-    num_tokens: int
-
-    def window(self, layer: int, position: int) -> torch.Tensor:
-        """KV of the last (at most sliding_window) tokens before `position`, oldest first."""
-
-    def append_window(self, layer: int, kv: torch.Tensor, position: int) -> None:
-        """Record the KV of tokens [position, position + len(kv))."""
-
-    def entries(self, layer: int, count: int) -> torch.Tensor:
-        """The first `count` compressed entries [count, head_dim]."""
-
-    def write_entries(self, layer: int, first: int, new: torch.Tensor) -> None: ...
-
-    def index_keys(self, layer: int, count: int) -> torch.Tensor: ...
-
-    def write_index_keys(self, layer: int, first: int, new: torch.Tensor) -> None: ...
-
-    def tail(self, layer: int, position: int, indexer: bool = False) -> PoolerTail | None:
-        """The compressor (or CSA indexer) tail as it stands at `position`; callers may change it in
-        place and hand it back with `set_tail`."""
-
-    def set_tail(self, layer: int, position: int, tail: PoolerTail, indexer: bool = False) -> None:
-        """Keep `tail` as the layer's tail at `position`."""
-
-    def capture(self, layer: int, position: int) -> None:
-        """Keep a copy of the layer's window and tails as they stand at `position` (a block boundary)."""
-
-
 @dataclass(slots=True)
 class SequenceState:
     """Contiguous state: tensors that grow by concatenation. Simple; the paged state's oracle."""
@@ -94,9 +53,11 @@ class SequenceState:
     layers: list[LayerState]
     window_size: int = 128
     recent_ids: list[int] = field(default_factory=list)  # the last `config.engram_context` token ids (V4.1)
+    trim_from: int = 0  # a contiguous state never runs a trimmed replay (engine.kv.PagedState does)
+    decode_view_type: ClassVar[type | None] = None  # decodes one sequence at a time
 
     @classmethod
-    def empty(cls, config: ModelConfig, device=None, dtype: torch.dtype = torch.float32) -> "SequenceState":
+    def empty(cls, config: CacheSpec, device=None, dtype: torch.dtype = torch.float32) -> "SequenceState":
         layers = [_empty_layer(config, i, device, dtype) for i in range(config.num_layers)]
         return cls(num_tokens=0, layers=layers, window_size=config.sliding_window)
 
@@ -157,7 +118,7 @@ class StateParts:
     recent_ids: list[int] = field(default_factory=list)
 
 
-def split_state(state: SequenceState, config: ModelConfig, block_size: int = 128) -> StateParts:
+def split_state(state: SequenceState, config: CacheSpec, block_size: int = 128) -> StateParts:
     """Cut a state whose length is a multiple of `block_size` into pages + windows + tails (copies)."""
     if state.num_tokens % block_size:
         raise ValueError(f"{state.num_tokens} tokens is not a multiple of the block size {block_size}")
@@ -186,7 +147,7 @@ def split_state(state: SequenceState, config: ModelConfig, block_size: int = 128
     )
 
 
-def join_state(parts: StateParts, config: ModelConfig) -> SequenceState:
+def join_state(parts: StateParts, config: CacheSpec) -> SequenceState:
     """Rebuild a fresh state from pages + SWA windows + tails."""
     layers = []
     for i in range(config.num_layers):
@@ -214,11 +175,11 @@ def state_nbytes(state: SequenceState) -> dict[str, int]:
         sizes["block"] += _nbytes(layer.entries) + _nbytes(layer.index_keys)
         for tail in (layer.tail, layer.index_tail):
             if tail is not None:
-                sizes["tails"] += sum(_nbytes(t) for t in _tail_tensors(tail))
+                sizes["tails"] += sum(_nbytes(t) for t in tail_tensors(tail))
     return sizes
 
 
-def _empty_layer(config: ModelConfig, layer: int, device, dtype) -> LayerState:
+def _empty_layer(config: CacheSpec, layer: int, device, dtype) -> LayerState:
     window = torch.empty(0, config.head_dim, device=device, dtype=dtype)
     if config.compress_ratio(layer) == 0:
         return LayerState(window=window)
@@ -232,16 +193,6 @@ def _empty_layer(config: ModelConfig, layer: int, device, dtype) -> LayerState:
     if config.has_index_tail(layer):
         state.index_tail = empty_tail(config.index_head_dim, True, device, dtype)
     return state
-
-
-def empty_tail(head_dim: int, overlap: bool, device, dtype) -> PoolerTail:
-    width = 2 * head_dim if overlap else head_dim
-    empty = torch.empty(0, width, device=device, dtype=dtype)
-    return PoolerTail(pending_kv=empty, pending_gate=empty.clone())
-
-
-def _tail_tensors(tail: PoolerTail):
-    return (tail.pending_kv, tail.pending_gate, tail.overlap_kv, tail.overlap_gate)
 
 
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
