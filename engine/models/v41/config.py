@@ -233,13 +233,6 @@ class V41Config:
         """Earlier token ids an Engram n-gram hash looks back at (0 without Engram)."""
         return self.engram_max_ngram_size - 1 if self.engram_layer_ids else 0
 
-    @classmethod
-    def from_dict(cls, raw: dict) -> "V41Config":
-        return _parse(raw)
-
-
-def is_v41(raw: dict) -> bool:
-    """The gateway's rule too (services/gateway/model_dir.py): the model type names V4.1."""
     @property
     def quant_block(self) -> int:
         """The release's FP8 linears and MXFP4 experts scale 32x32 blocks."""
@@ -249,6 +242,13 @@ def is_v41(raw: dict) -> bool:
     def unquantized_linears(self) -> tuple[str, ...]:
         return ("head", "weights_proj", "indexer.wk", "compressor.wkv", "compressor.wgate", "engram.wkv")
 
+    @classmethod
+    def from_dict(cls, raw: dict) -> "V41Config":
+        return _parse(raw)
+
+
+def is_v41(raw: dict) -> bool:
+    """The gateway's rule too (services/gateway/model_dir.py): the model type names V4.1."""
     text = raw.get("text_config") or {}
     return raw.get("model_type") == MODEL_TYPE or text.get("model_type") == f"{MODEL_TYPE}_text"
 
