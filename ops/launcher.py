@@ -94,7 +94,7 @@ def stop_waves(topology: Topology) -> list[list[str]]:
     upstream; any other service is fed by its upstream (a router feeds the workers registered with
     it); and a service sends work to the peers its settings name ("@name")."""
     feeds: dict[str, set[str]] = {spec.name: set(spec.peers.values()) for spec in topology.services}
-    fronts = {spec.name for spec in topology.services if "http_bind" in spec.options.get("settings", {})}
+    fronts = {spec.name for spec in topology.services if spec.is_front}
     for spec in topology.services:
         if spec.upstream and spec.name in fronts:
             feeds[spec.name].add(spec.upstream)

@@ -4,7 +4,9 @@ A TOML file with a [stack] table and one [[service]] table per service:
     name, kind, replicas, upstream (the name of the service it registers with), settings, and
     any ServiceConfig field (queue_size, concurrency, hwm, grace_s, heartbeat_s, ...).
 Addresses are assigned here: instance i of the whole stack (in file order, replicas included) gets
-tcp://host:(port_base + i).
+tcp://host:(port_base + i). A service registers with its upstream's first replica, or, where the
+upstream is an HTTP front (a gateway), with every replica (ServiceConfig's upstream and
+upstream_replicas): each gateway replica then knows every grammar compiler and vision leader.
 
 Embedded topologies (ops/topologies/, loaded by name): "default", the E/P/D form (gateway, prefill
 router and workers, decode router and workers, KV writer, SWA registry), "unified", a gateway
@@ -55,7 +57,8 @@ GPU_KINDS = ("prefill_worker", "decode_worker", "unified_worker", "vision_worker
 PINNED_DEVICES = ("cuda", "cuda:0")      # what a pinned process may call its one visible GPU
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(ServiceConfig)} - {"kind", "instance", "bind", "advertise",
-                                                                           "upstream", "metrics_bind"}
+                                                                           "upstream", "upstream_replicas",
+                                                                           "metrics_bind"}
 
 
 @dataclass(slots=True)
@@ -107,6 +110,11 @@ class ServiceSpec:
         return self.gpus[replica] if self.gpus else None
 
     @property
+    def is_front(self) -> bool:
+        """Whether it serves the HTTP API (a gateway): what registers with it registers with every replica."""
+        return "http_bind" in self.options.get("settings", {})
+
+    @property
     def peers(self) -> dict[str, str]:
         """Settings key -> the service name it holds as "@name"."""
         settings = self.options.get("settings", {})
@@ -154,12 +162,16 @@ class Topology:
         out = []
         for spec in self.services:
             upstream = self.address(spec.upstream) if spec.upstream else ""   # its first replica
+            # ... and, where that is an HTTP front, its others: an aide registers with every gateway replica
+            fronted = spec.upstream and self.spec(spec.upstream).is_front
+            others = tuple(self._address(slot) for slot in slots[spec.upstream][1:]) if fronted else ()
             options = {"grace_s": self.grace_s, "ready_timeout_s": self.ready_timeout_s, **spec.options}
             if "settings" in options:
                 options["settings"] = spec.resolved_settings(self.address)
             for replica, slot in enumerate(slots[spec.name]):
                 config = ServiceConfig(
                     kind=spec.kind, instance=f"{spec.name}-{replica}", bind=self._address(slot), upstream=upstream,
+                    upstream_replicas=others,
                     metrics_bind=f"{self.host}:{self.port_base + self.metrics_offset + slot}", **options)
                 out.append((spec, replica, config))
         return out

@@ -18,6 +18,7 @@ class ServiceConfig:
     bind: str = "tcp://127.0.0.1:0"   # where the inbox (ROUTER) listens
     advertise: str = ""               # address peers use; "{hostname}" is replaced; default = bind
     upstream: str = ""                # address of the service that feeds us (we register there)
+    upstream_replicas: tuple[str, ...] = ()   # its other replicas: we register and heartbeat there too
     metrics_bind: str = ""            # "host:port" for HTTP /metrics and /health; "" = off
     queue_size: int = 1024            # inbound messages waiting for a handler
     concurrency: int = 64             # handlers running at once
@@ -63,7 +64,8 @@ class ServiceConfig:
         env = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            env[ENV_PREFIX + f.name.upper()] = json.dumps(value) if f.name == "settings" else str(value)
+            structured = f.name in ("settings", "upstream_replicas")
+            env[ENV_PREFIX + f.name.upper()] = json.dumps(value) if structured else str(value)
         return env
 
     @classmethod
@@ -93,6 +95,11 @@ def _parse(f: dataclasses.Field, raw: str) -> Any:
             if not isinstance(value, dict):
                 raise ValueError("expected a JSON object")
             return value
+        if kind.startswith("tuple"):
+            value = json.loads(raw)
+            if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                raise ValueError("expected a JSON list of strings")
+            return tuple(value)
     except ValueError as exc:
         raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {exc}") from None
     return raw

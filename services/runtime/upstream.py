@@ -17,14 +17,22 @@ BACKOFF_MAX_S = 8.0
 
 
 class UpstreamLink:
-    def __init__(self, service):
+    def __init__(self, service, address: str = ""):
         self.service = service
-        self.address = service.config.upstream
+        self.address = address or service.config.upstream   # default: the replica we send requests to
+        self.primary = not address                          # the others only keep us registered there
+        # the upstream's other replicas (an aide's other gateways), each on a link of its own
+        self.others = [UpstreamLink(service, other) for other in service.config.upstream_replicas] if self.primary \
+            else []
         self.connected = False
         self.ready = asyncio.Event()   # set while registered: what a request waiting for a restarted upstream awaits
         self.reconnects = 0
 
     async def run(self) -> None:
+        """Stay registered with the upstream and with its other replicas (ServiceConfig.upstream_replicas)."""
+        await asyncio.gather(self._stay_registered(), *(link._stay_registered() for link in self.others))
+
+    async def _stay_registered(self) -> None:
         svc = self.service
         backoff = BACKOFF_START_S
         while True:
@@ -38,7 +46,8 @@ class UpstreamLink:
             if self.connected:
                 self.connected = False
                 self.ready.clear()
-                svc.on_upstream_lost()
+                if self.primary:
+                    svc.on_upstream_lost()
             svc.drop_link(self.address)    # LINGER 0: a fresh socket, nothing stale queued
             self.reconnects += 1
             await asyncio.sleep(backoff)

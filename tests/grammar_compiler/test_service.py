@@ -125,13 +125,16 @@ def ask(address: str, message, timeout_s: float = 30.0):
 
 @pytest.mark.slow   # starts service processes
 def test_epd_serve_grammar_compiler_registers_upstream_and_answers(procs, compiler_model_dir):
-    hub = procs(tcp_config("echo", "hub-0", heartbeat_s=0.5))
+    hub, other_hub = (procs(tcp_config("echo", f"hub-{i}", heartbeat_s=0.5)) for i in range(2))   # two gateways
     hub.wait_running()
+    other_hub.wait_running()
     compiler = procs(tcp_config("grammar_compiler", "gc-0", upstream=hub.address, heartbeat_s=0.5,
+                                upstream_replicas=(other_hub.address,),
                                 settings={"model_dir": str(compiler_model_dir), "processes": 1}))
     compiler.wait_running(timeout_s=60, upstream=True)
-    wait_until(lambda: any(p.instance == "gc-0" and p.kind == "grammar_compiler" for p in hub.status().peers),
-               10, "the compiler registered with its upstream")
+    for each in (hub, other_hub):
+        wait_until(lambda: any(p.instance == "gc-0" and p.kind == "grammar_compiler" for p in each.status().peers),
+                   10, f"the compiler registered with {each.config.instance}")
     tid = tokenizer_id(compiler_model_dir / "tokenizer.json")
     compiled = ask(compiler.address, GrammarCompile(json_schema(SIMPLE_SCHEMA), tid))
     assert isinstance(compiled, GrammarCompiled) and '"age":{"type":"integer"}' in compiled.grammar

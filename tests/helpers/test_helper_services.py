@@ -18,9 +18,11 @@ class InProcessServices:
         self.timing = FAST if timing is None else timing
         self.tasks: list[tuple[Service, asyncio.Task]] = []
 
-    async def start(self, cls, name: str, settings=None, upstream: str = "") -> Service:
+    async def start(self, cls, name: str, settings=None, upstream: str = "",
+                    upstream_replicas: tuple[str, ...] = ()) -> Service:
         config = ServiceConfig(kind=cls.kind, instance=name, bind=f"ipc://{self.tmp_path}/{name}.sock",
-                               upstream=upstream, settings=settings or {}, **self.timing)
+                               upstream=upstream, upstream_replicas=upstream_replicas, settings=settings or {},
+                               **self.timing)
         svc = cls(config)
         task = asyncio.create_task(svc.run(install_signals=False))
         self.tasks.append((svc, task))

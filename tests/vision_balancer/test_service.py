@@ -12,6 +12,7 @@ import torch
 from messages.errors import ErrorCode
 from messages.images import ImageInput
 from services.catalog import resolve
+from services.runtime.service import Service
 from services.runtime.settings import parse_settings
 from services.vision_balancer.service import VisionBalancerService, VisionBalancerSettings
 from services.vision_worker.service import VisionWorkerService, VisionWorkerSettings
@@ -153,3 +154,15 @@ async def test_no_group_is_a_typed_error(pool):
     assert failed.value.code == ErrorCode.OVERLOADED
     assert await pool.client.vision.encode("r2", [], []) == []
 
+
+async def test_a_leader_registers_with_every_gateway_replica(tmp_path):
+    services = InProcessServices(tmp_path)
+    try:
+        gateways = [await services.start(Service, f"gateway-{i}") for i in range(2)]
+        await services.start(VisionBalancerService, "lead", upstream=gateways[0].config.advertise,
+                             upstream_replicas=(gateways[1].config.advertise,))
+        for gateway in gateways:   # each lists the leader the way image_calls.py looks for it
+            await eventually(lambda: [p.instance for p in gateway.members.alive("vision_balancer")] == ["lead"],
+                             what=f"the leader registered with {gateway.config.instance}")
+    finally:
+        await services.close()
