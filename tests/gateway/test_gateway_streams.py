@@ -99,7 +99,9 @@ async def test_a_client_disconnect_aborts_at_the_streaming_worker_not_the_upstre
     await eventually(lambda: gateway.pending["req-gone"].worker, what="the gateway to learn the worker")
     response.close()                                                   # the client goes away
     await eventually(lambda: worker.aborts, what="the worker to get the abort")
-    assert worker.aborts == [("req-gone", "client_disconnected")]
+    # first the disconnect's abort; a chunk already on its way then is answered "abandoned", and only that
+    assert worker.aborts[0] == ("req-gone", "client_disconnected")
+    assert set(worker.aborts[1:]) <= {("req-gone", "abandoned")}
     await gateway.call(router.config.advertise, StatusQuery())        # after anything sent there before
     assert router.aborts == []
 
