@@ -1,6 +1,6 @@
 """Prefill side <-> the vision pool (services/vision_balancer/, services/vision_worker/).
 
-Seed 000: each machine is a group; the prefill side picks a group at random and calls its leader
+DeepSeek's rule: each machine is a group; the prefill side picks a group at random and calls its leader
 (the vision balancer) with VisionEncode; the leader answers VisionAccepted and gives each image to
 the group's vision worker with the fewest queued patches, forwarding VisionEncode (one way, the
 images it chose for that worker, `indexes` saying which ones they are); the worker encodes and

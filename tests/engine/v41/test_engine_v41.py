@@ -97,7 +97,7 @@ def test_a_hit_without_windows_replays_its_last_block(v41_dir):
 
 
 def test_a_window_from_a_trimmed_replay_prefill_crosses_a_handoff_but_is_never_cached(v41_dir):
-    """Seed 003: what a trimmed replay computes is used for decode, never put in a prefix cache;
+    """Bounded replay: what a trimmed replay computes is used for decode, never put in a prefix cache;
     that holds on the decode side of a P->D hand-off too (KVSnapshot.window_cacheable)."""
     prompt = make_prompt(384, 2).tolist()
     prefill = engine(v41_dir)
