@@ -39,7 +39,7 @@ class Ours(CellRunner):
         bench.doc["ours_engine"] = {"num_pages": self.num_pages, "pages_wanted": wanted, "pool_note": self.pool_note,
                                     "page_bytes": self.engine.kv.pool.layout.page_bytes(model.dtype),
                                     "max_num_seqs": max_batch, "max_batched_tokens": max_batched_tokens,
-                                    "cuda_graphs": not bench.args.no_cuda_graphs and hasattr(model, "decode_graphs")}
+                                    "cuda_graphs": not bench.args.no_cuda_graphs and model.decode_graphs is not None}
         self.graphs_captured = 0  # CUDA graphs of decode steps captured so far (released before HF runs)
         self._warm_up()
 
@@ -124,7 +124,7 @@ class Ours(CellRunner):
         return row
 
     def release_graphs(self) -> None:
-        graphs = getattr(self.model, "decode_graphs", None)
+        graphs = self.model.decode_graphs
         if graphs is None:  # V4.1 decodes eagerly for now (no CUDA-graph path yet)
             self.bench.doc["ours_engine"].update(graphs_captured=0, graphs_error="no CUDA-graph decode for this model")
             return
@@ -139,28 +139,11 @@ class Ours(CellRunner):
 
 
 def build_engine(model, model_dir: Path, device, **config):
-    """An EngineCore around an in-memory model.
-
-    EngineCore loads its model from `model_dir` inside its constructor; here the loader it calls is
-    swapped for one that hands over `model` for the length of the construction (`model_dir` holds
-    only config.json, from which the engine derives its model identity)."""
-    import engine.engine_core as core
-    if not callable(getattr(core, "load_model", None)):
-        raise RuntimeError("engine.engine_core no longer calls load_model: update bench.engine.ours.build_engine")
-    original = core.load_model
-
-    def hand_over(model_dir_arg, device_arg, dtype_arg=None):
-        return model
-
-    core.load_model = hand_over
-    try:
-        engine = core.EngineCore(core.EngineConfig(model_dir=str(model_dir), device=str(device),
-                                                   enable_prefix_cache=False, swa_cache_bytes=0, **config))
-    finally:
-        core.load_model = original
-    if engine.model is not model:
-        raise RuntimeError("EngineCore did not take the in-memory model")
-    return engine
+    """An EngineCore around an in-memory model (`model_dir` holds only config.json, from which the
+    engine derives its model identity)."""
+    from engine.engine_core import EngineConfig, EngineCore
+    return EngineCore(EngineConfig(model_dir=str(model_dir), device=str(device), enable_prefix_cache=False,
+                                   swa_cache_bytes=0, **config), model=model)
 
 
 def _fit_pages(model, device, wanted: int) -> tuple[int, str]:

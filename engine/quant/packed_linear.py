@@ -1,6 +1,6 @@
 """Linear layers whose weights stay in a checkpoint's quantized format (`engine.quant.packed`).
 
-On a GPU with kernels (`engine.kernels.use_kernels`) the matmul reads the packed bytes directly
+On a GPU with kernels (`engine.kernels.dispatch`) the matmul reads the packed bytes directly
 (`engine.kernels.quant_linear`); elsewhere the weight is dequantized for each call and F.linear
 runs: slow, but the same numbers, so CPU tests can check a packed model against a plain one.
 """
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import use_kernels
+from engine.kernels.dispatch import kernel
 from engine.models.common.linear import linear_groups
 from engine.quant.packed import Packed, pack
 
@@ -67,8 +67,8 @@ DEQUANTIZE_FROM_ROWS = 1024
 
 
 def _matmul(x: torch.Tensor, weight: Packed) -> torch.Tensor:
-    if use_kernels(x) and x.numel() // x.shape[-1] < DEQUANTIZE_FROM_ROWS:
-        from engine.kernels.quant_linear import quant_linear
+    quant_linear = kernel("quant_linear", x)
+    if quant_linear is not None and x.numel() // x.shape[-1] < DEQUANTIZE_FROM_ROWS:
         lead = x.shape[:-1]
         return quant_linear(x.reshape(-1, x.shape[-1]), weight).reshape(*lead, weight.out_features)
     return F.linear(x, weight.dequantize(x.dtype))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.kernels import kernel_mode
+from engine.kernels.dispatch import pinned
 from engine.models.v4 import hyper
 from engine.models.v4.config import ModelConfig, read_config_dict
 from engine.models.v41 import hyper as hyper41
@@ -248,7 +249,7 @@ def test_kernel_sites_replay_from_a_cuda_graph(device):
         torch.testing.assert_close(captured, step(), **bf16(device))
 
 
-def test_tiny_v4_model_logits_with_and_without_mhc_kernels(device, tmp_path, monkeypatch):
+def test_tiny_v4_model_logits_with_and_without_mhc_kernels(device, tmp_path):
     """Only the mHC sites switch (the rest of the model stays on torch), prefill and two decode steps."""
     from engine.models.v4 import load_model
     from engine.models.v4.random_init import write_random_model_dir
@@ -259,11 +260,11 @@ def test_tiny_v4_model_logits_with_and_without_mhc_kernels(device, tmp_path, mon
     prompt, decoded = make_prompt(9, 0).to(device), make_prompt(2, 1).to(device)
 
     def run(mhc_kernels: bool) -> torch.Tensor:
-        monkeypatch.setattr(hyper, "use_kernels", lambda tensor: mhc_kernels)
-        state = model.new_state()
-        logits = [model([prompt], [state], all_logits=True)]
-        for token in decoded:
-            logits.append(model([token.view(1)], [state], all_logits=True))
+        with pinned(("hc_v4_site", "hc_merge", "hc_v4_head"), mhc_kernels):   # V4's mHC sites
+            state = model.new_state()
+            logits = [model([prompt], [state], all_logits=True)]
+            for token in decoded:
+                logits.append(model([token.view(1)], [state], all_logits=True))
         return torch.cat(logits)
 
     with kernel_mode("off"):

@@ -141,12 +141,9 @@ def test_exactly_one_entry_form_is_required(device):
 @contextlib.contextmanager
 def only_attention_kernels():
     """Kernels on for the attention core and the indexer alone (whatever the global mode)."""
-    import engine.models.v4.attention as attention
-    import engine.models.v4.compressor as compressor
+    from engine.kernels.dispatch import pinned
 
-    with pytest.MonkeyPatch.context() as patch:
-        for module in (attention, compressor):
-            patch.setattr(module, "use_kernels", lambda tensor: True)
+    with pinned(("masked_attention", "sparse_attention", "index_scores"), True):
         yield
 
 

@@ -1,6 +1,6 @@
 """RMS norms. Weighted norms keep an fp32 weight and compute in fp32, like the reference.
 
-Where `use_kernels` says so, both take a fused Triton kernel (engine.kernels.rope_norm) with the same math.
+Where the kernel table says so (engine.kernels.dispatch), both take a fused Triton kernel with the same math.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels import use_kernels
+from engine.kernels.dispatch import kernel
 
 
 class RMSNorm(nn.Module):
@@ -18,9 +18,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_kernels(x):
-            from engine.kernels.rope_norm import rms_norm  # Triton: imported only where kernels run
-
+        if (rms_norm := kernel("rms_norm", x)) is not None:
             return rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -28,8 +26,6 @@ class RMSNorm(nn.Module):
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    if use_kernels(x):
-        from engine.kernels.rope_norm import rms_norm
-
+    if (rms_norm := kernel("rms_norm", x)) is not None:
         return rms_norm(x, None, eps)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)

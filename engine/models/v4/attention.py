@@ -10,14 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels import use_kernels
+from engine.kernels.dispatch import kernel, load_kernel, takes_kernel
+from engine.models.common.attention_math import sink_softmax, window_mask
+from engine.models.common.linear import GroupedLinear
+from engine.models.common.norms import RMSNorm
+from engine.models.spec import SequenceKV
 from engine.models.v4.batch import ForwardBatch
 from engine.models.v4.compressor import Indexer, WindowPooler
 from engine.models.v4.config import CSA, HCA, SLIDING, ModelConfig
-from engine.models.common.linear import GroupedLinear
-from engine.models.common.norms import RMSNorm
 from engine.models.v4.rope import Rotary, apply_rope, apply_rope_after_norm, apply_rope_after_unweighted_norm
-from engine.models.spec import SequenceKV
 
 QUERY_BLOCK = 256  # queries per attention block: bounds the score tensor for long prefills
 SCORE_ELEMENTS = 1 << 24  # the kernel path's indexer scores per chunk of queries (64 MiB of fp32)
@@ -95,7 +96,7 @@ class Attention(nn.Module):
             if self.layer_type == CSA:
                 indexer = self.compressor.indexer
                 index_keys = self._advance_batch(view, True, indexer, packed["ikv"], packed["igate"])
-            if entries is not None and use_kernels(q):
+            if entries is not None and takes_kernel("sparse_attention", q):
                 view.capture(self.layer)
                 return self._sparse_decode_batch(q, keys, mask, entries, index_keys, packed, view)
             if entries is not None:
@@ -120,14 +121,10 @@ class Attention(nn.Module):
 
     def _softmax_attend_batch(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """`_softmax_attend` per sequence: q [B, H, D], keys [B, K, D], mask [B, K]."""
-        if use_kernels(q):
-            from engine.kernels.sparse_attention import masked_attention  # Triton: only where kernels run
-
+        if (masked_attention := kernel("masked_attention", q)) is not None:
             return masked_attention(q, keys, mask, self.sinks, self.scale)
         logits = (torch.einsum("bhd,bkd->bhk", q, keys) * self.scale).float()
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-        sinks = self.sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
-        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1]
+        probs = sink_softmax(logits, mask, self.sinks)
         return torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys)
 
     def _attend_sequence(self, q, kv, span: dict, state: SequenceKV, captures=()) -> torch.Tensor:
@@ -160,7 +157,7 @@ class Attention(nn.Module):
         keys = torch.cat([prior, kv])
         state.append_window(self.layer, kv, first_pos)
         entries, index_keys = self._advance_compressed(span, state, first_pos, first_pos + q.shape[0])
-        if use_kernels(q):
+        if takes_kernel("sparse_attention", q):
             return self._sparse_piece(q, keys, window_start, entries, index_keys, span, first_pos)
         out = torch.empty_like(q)
         for lo in range(0, q.shape[0], QUERY_BLOCK):
@@ -169,7 +166,7 @@ class Attention(nn.Module):
             positions = torch.arange(first, last + 1, device=q.device)
             key_lo = max(first - self.window + 1, window_start)
             block_keys = keys[key_lo - window_start : last + 1 - window_start]
-            mask = self._window_mask(positions, key_lo, last)
+            mask = window_mask(positions, key_lo, last, self.window)
             if entries is not None:
                 n_visible = (last + 1) // self.ratio
                 block_keys = torch.cat([block_keys, entries[:n_visible]])
@@ -180,8 +177,7 @@ class Attention(nn.Module):
     def _sparse_piece(self, q, keys, window_start: int, entries, index_keys, span: dict, first_pos: int):
         """`_attend_piece`'s attention by the sparse kernel: each query's rows of the window keys and
         its entries (all visible ones, or the indexer's top-k as indices), no mask, no query blocks."""
-        from engine.kernels.sparse_attention import sparse_attention  # Triton: only where kernels run
-
+        sparse_attention = load_kernel("sparse_attention")
         positions = torch.arange(first_pos, first_pos + q.shape[0], device=q.device)
         window_hi = positions + 1 - window_start  # rows of keys (which start at window_start)
         window_lo = (window_hi - self.window).clamp(min=0)
@@ -202,8 +198,7 @@ class Attention(nn.Module):
     def _sparse_decode_batch(self, q, window, window_mask, entries, index_keys, packed: dict, view):
         """`_attend_decode_batch`'s attention by the sparse kernel, without concatenating the window and
         the entries: (entries [B, E, D], visible [B, E]) as `view.entries` gives them; visible is a prefix."""
-        from engine.kernels.sparse_attention import sparse_attention  # Triton: only where kernels run
-
+        sparse_attention = load_kernel("sparse_attention")
         entries, visible = entries
         counts = visible.sum(dim=1)
         lo = torch.zeros_like(counts)
@@ -256,12 +251,6 @@ class Attention(nn.Module):
                     mask = torch.cat([entry_mask.new_ones(1, block_keys.shape[0] - n_visible), entry_mask], dim=1)
         return block_keys, mask
 
-    def _window_mask(self, positions: torch.Tensor, key_lo: int, last: int) -> torch.Tensor:
-        """Query at position p sees window keys at positions [p - window + 1, p]."""
-        key_positions = torch.arange(key_lo, last + 1, device=positions.device)
-        distance = positions[:, None] - key_positions[None, :]
-        return (distance >= 0) & (distance < self.window)
-
     def _entry_mask(self, positions, n_visible: int, span: dict, index_keys, rows: slice) -> torch.Tensor:
         """Entry w is visible at position p iff (w + 1) * ratio <= p + 1; CSA keeps the indexer's top-k."""
         if self.layer_type == CSA:
@@ -272,13 +261,8 @@ class Attention(nn.Module):
 
     def _softmax_attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One softmax over the visible keys plus a per-head sink logit; keys double as values."""
-        if use_kernels(q):
-            from engine.kernels.sparse_attention import masked_attention  # Triton: only where kernels run
-
+        if (masked_attention := kernel("masked_attention", q)) is not None:
             return masked_attention(q, keys, mask, self.sinks, self.scale)
         logits = (torch.einsum("qhd,kd->qhk", q, keys) * self.scale).float()
-        if mask is not None:
-            logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-        sinks = self.sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
-        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1]
+        probs = sink_softmax(logits, mask, self.sinks)
         return torch.einsum("qhk,kd->qhd", probs.to(keys.dtype), keys)

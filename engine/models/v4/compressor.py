@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels import use_kernels
-from engine.models.v4.config import ModelConfig
+from engine.kernels.dispatch import load_kernel, takes_kernel
 from engine.models.common.norms import RMSNorm
-from engine.models.v4.rope import Rotary, apply_rope
 from engine.models.common.tail import PoolerTail
+from engine.models.v4.config import ModelConfig
+from engine.models.v4.rope import Rotary, apply_rope
 
 
 class WindowPooler(nn.Module):
@@ -148,7 +148,7 @@ class Indexer(WindowPooler):
         visible = entry[None, :] < ((positions + 1) // self.ratio)[:, None]
         if keys.shape[0] <= self.top_k:
             return visible
-        if use_kernels(q):
+        if takes_kernel("index_scores", q):
             scores = self._fused_scores(q, head_weights, keys, (positions + 1) // self.ratio)
         else:
             scores = self.scorer(q, keys, head_weights).masked_fill(~visible, float("-inf"))
@@ -162,7 +162,7 @@ class Indexer(WindowPooler):
         `scored` False (no sequence sees more than top_k entries): every visible entry."""
         if not scored:
             return visible
-        if use_kernels(q):
+        if takes_kernel("index_scores", q):
             scores = self._fused_scores(q, head_weights, keys, visible.sum(dim=1))  # visible: a prefix
         else:
             scores = self.scorer.batched(q, keys, head_weights).masked_fill(~visible, float("-inf"))
@@ -179,6 +179,4 @@ class Indexer(WindowPooler):
 
     def _fused_scores(self, q, head_weights, keys, visible_count: torch.Tensor) -> torch.Tensor:
         """`IndexScorer` by one fused kernel: [n, E] fp32, -inf where not visible."""
-        from engine.kernels.index_scores import index_scores  # Triton: only where kernels run
-
-        return index_scores(q, head_weights, keys, self.scorer.softmax_scale, visible_count)
+        return load_kernel("index_scores")(q, head_weights, keys, self.scorer.softmax_scale, visible_count)

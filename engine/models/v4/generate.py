@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.models.v4.model import DeepseekV4
 from engine.models.common.state import SequenceState
+from engine.models.v4.model import DeepseekV4
 
 
 def prefill(

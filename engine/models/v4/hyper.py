@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import use_kernels
+from engine.kernels.dispatch import kernel
 from engine.models.common.mhc import mix_matrix
 from engine.models.common.norms import unweighted_rms_norm
 from engine.models.v4.config import ModelConfig
@@ -91,9 +91,7 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if use_kernels(streams) and streams.dim() == 3:
-            from engine.kernels.mhc import hc_v4_site
-
+        if streams.dim() == 3 and (hc_v4_site := kernel("hc_v4_site", streams)) is not None:
             return hc_v4_site(streams, self.fn, self.base, self.scale, self.n, self.iters, self.hc_eps, self.norm_eps)
         n = self.n
         flat = unweighted_rms_norm(streams.flatten(-2).float(), self.norm_eps)
@@ -111,11 +109,8 @@ class HyperConnection(nn.Module):
 
 def merge_streams(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
     """New streams: post-weighted block output plus comb-mixed residual (out_k = sum_j comb[j, k] in_j)."""
-    if use_kernels(streams) and (
-        streams.dim() == 3 and block_out.shape == streams[:, 0].shape and block_out.dtype == streams.dtype
-    ):
-        from engine.kernels.mhc_merge import hc_merge
-
+    if (streams.dim() == 3 and block_out.shape == streams[:, 0].shape and block_out.dtype == streams.dtype
+            and (hc_merge := kernel("hc_merge", streams)) is not None):
         return hc_merge(streams, block_out, post, comb, v41=False)
     dtype = streams.dtype
     mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
@@ -135,9 +130,7 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        if use_kernels(streams) and streams.dim() == 3:
-            from engine.kernels.mhc import hc_v4_head
-
+        if streams.dim() == 3 and (hc_v4_head := kernel("hc_v4_head", streams)) is not None:
             return hc_v4_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps)
         flat = unweighted_rms_norm(streams.flatten(-2).float(), self.norm_eps)
         mixes = F.linear(flat, self.hc_fn.float())

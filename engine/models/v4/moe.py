@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import use_kernels
+from engine.kernels.dispatch import kernel
 from engine.models.common.activations import clamped_swiglu
 from engine.models.spec import PackableExperts
 from engine.models.v4.config import HASH_MOE, ModelConfig
@@ -98,8 +98,8 @@ class RoutedExperts(PackableExperts):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         plain = "gate_up_proj" in self._parameters
-        if use_kernels(x) and not (plain and x.shape[0] * experts.shape[1] > KERNEL_SLOTS_PLAIN):
-            from engine.kernels.moe_gemm import moe_forward
+        moe_forward = kernel("moe", x)
+        if moe_forward is not None and not (plain and x.shape[0] * experts.shape[1] > KERNEL_SLOTS_PLAIN):
             gate_up, down = self.packed
             return moe_forward(x, weights, experts, gate_up, down, self.limit, v41=False)
         if "gate_up_proj" not in self._parameters:

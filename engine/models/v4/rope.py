@@ -1,6 +1,6 @@
 """Partial, interleaved rotary embeddings (plain RoPE and YaRN) applied to the last `rope_dim` channels.
 
-Where `use_kernels` says so, rotation (and a norm before it) runs as one Triton kernel
+Where the kernel table says so (engine.kernels.dispatch), rotation (and a norm before it) runs as one Triton kernel
 (engine.kernels.rope_norm) with the same fp32 math: no torch.cat.
 """
 
@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from engine.kernels import use_kernels
-from engine.models.v4.config import RopeSpec
+from engine.kernels.dispatch import kernel
 from engine.models.common.norms import RMSNorm, unweighted_rms_norm
+from engine.models.v4.config import RopeSpec
 
 
 def inverse_frequencies(spec: RopeSpec, rope_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
@@ -77,9 +77,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos / sin are [T, rope_dim // 2] and broadcast over the middle (head) axes.
     Pass `-sin` to undo a rotation.
     """
-    if use_kernels(x):
-        from engine.kernels.rope_norm import rope  # Triton: imported only where kernels run
-
+    if (rope := kernel("rope", x)) is not None:
         return rope(x, cos, sin)
     rope_dim = 2 * cos.shape[-1]
     while cos.dim() < x.dim():
@@ -93,9 +91,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def apply_rope_after_norm(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope(norm(x), cos, sin): one kernel (one read, one write of x) where kernels run."""
-    if use_kernels(x):
-        from engine.kernels.rope_norm import norm_rope
-
+    if (norm_rope := kernel("norm_rope", x)) is not None:
         return norm_rope(x, norm.weight, norm.eps, cos, sin)
     return apply_rope(norm(x), cos, sin)
 
@@ -103,8 +99,6 @@ def apply_rope_after_norm(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin
 def apply_rope_after_unweighted_norm(x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope(unweighted_rms_norm(x, eps), cos, sin), the norm per head of x [T, H, D]; one kernel
     where kernels run."""
-    if use_kernels(x):
-        from engine.kernels.rope_norm import norm_rope
-
+    if (norm_rope := kernel("norm_rope", x)) is not None:
         return norm_rope(x, None, eps, cos, sin)
     return apply_rope(unweighted_rms_norm(x, eps), cos, sin)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from engine.models.common.attention_math import sink_softmax, window_mask
 from engine.models.common.linear import GroupedLinear
 from engine.models.common.norms import RMSNorm
 from engine.models.spec import SequenceKV
@@ -140,7 +141,7 @@ class Attention(nn.Module):
             positions = torch.arange(low, last + 1, device=q.device)
             key_lo = max(low - self.window + 1, window_start)
             block_keys = keys[key_lo - window_start : last + 1 - window_start]
-            mask = self._window_mask(positions, key_lo, last)
+            mask = window_mask(positions, key_lo, last, self.window)
             if entries is not None:
                 n_visible = (last + 1) // self.ratio
                 chosen_rows = slice(low - selection.first, last + 1 - selection.first)
@@ -190,16 +191,8 @@ class Attention(nn.Module):
             scores = scores.masked_fill(~selection.candidates[chosen_rows, :n_visible], float("-inf"))
         selection.chosen[chosen_rows, :n_visible] = top_k_mask(scores, self.indexer.top_k)
 
-    def _window_mask(self, positions: torch.Tensor, key_lo: int, last: int) -> torch.Tensor:
-        """Query at position p sees window keys at positions [p - window + 1, p]."""
-        key_positions = torch.arange(key_lo, last + 1, device=positions.device)
-        distance = positions[:, None] - key_positions[None, :]
-        return (distance >= 0) & (distance < self.window)
-
     def _softmax_attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One fp32 softmax over the allowed keys plus a per-head sink logit; keys double as values."""
         logits = torch.einsum("qhd,kd->qhk", q.float(), keys.float()) * self.scale
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-        sinks = self.attn_sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
-        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+        probs = sink_softmax(logits, mask, self.attn_sink)
         return torch.einsum("qhk,kd->qhd", probs, keys.float()).to(q.dtype)

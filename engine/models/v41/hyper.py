@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import use_kernels
+from engine.kernels.dispatch import kernel
 from engine.models.common.mhc import mix_matrix
 from engine.models.v41.config import V41Config
 
@@ -42,9 +42,7 @@ def predict_mix(streams: torch.Tensor, fn, base, scale, config: V41Config) -> Mi
     The projection runs on the raw flattened streams and is scaled by their inverse RMS after
     (the release's order), and scale and base enter as one fused multiply-add.
     """
-    if use_kernels(streams) and streams.dim() == 3:
-        from engine.kernels.mhc import hc_v41_site
-
+    if streams.dim() == 3 and (hc_v41_site := kernel("hc_v41_site", streams)) is not None:
         pre, post, comb, _ = hc_v41_site(streams, fn, base, scale, config.hc_mult, config.hc_sinkhorn_iters,
                                          config.hc_eps, config.rms_norm_eps)
         return Mix(pre, post, comb)
@@ -69,18 +67,15 @@ def first_pre(num_tokens: int, config: V41Config, device) -> torch.Tensor:
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """[T, N, H] streams weighted by `pre` [T, N] -> [T, H], summed in fp32."""
-    if use_kernels(streams) and streams.dim() == 3:
-        from engine.kernels.mhc_merge import hc_collapse
-
+    if streams.dim() == 3 and (hc_collapse := kernel("hc_collapse", streams)) is not None:
         return hc_collapse(streams, pre)
     return (pre.unsqueeze(-1) * streams.float()).sum(-2).to(streams.dtype)
 
 
 def expand(output: torch.Tensor, residual: torch.Tensor, mix: Mix) -> torch.Tensor:
     """New streams: stream k = post[k] * output + sum_j comb[j, k] * residual[j], in fp32."""
-    if use_kernels(residual) and residual.dim() == 3 and output.shape == residual[:, 0].shape:
-        from engine.kernels.mhc_merge import hc_merge
-
+    if (residual.dim() == 3 and output.shape == residual[:, 0].shape
+            and (hc_merge := kernel("hc_merge", residual)) is not None):
         return hc_merge(residual, output, mix.post, mix.comb, v41=True)
     update = mix.post.unsqueeze(-1) * output.unsqueeze(-2)
     mixed = (mix.comb.unsqueeze(-1) * residual.unsqueeze(-2)).sum(-3)
@@ -91,9 +86,7 @@ def mix_and_collapse(streams: torch.Tensor, pre: torch.Tensor, fn, base, scale,
                      config: V41Config) -> tuple[Mix, torch.Tensor]:
     """One site's `predict_mix(streams, ...)` and `collapse(streams, pre)` (pre: the previous
     site's); the kernel path reads the streams once for both."""
-    if use_kernels(streams) and streams.dim() == 3:
-        from engine.kernels.mhc import hc_v41_site
-
+    if streams.dim() == 3 and (hc_v41_site := kernel("hc_v41_site", streams)) is not None:
         new_pre, post, comb, collapsed = hc_v41_site(streams, fn, base, scale, config.hc_mult,
                                                      config.hc_sinkhorn_iters, config.hc_eps,
                                                      config.rms_norm_eps, collapse_pre=pre)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import use_kernels
+from engine.kernels.dispatch import kernel
 from engine.models.common.activations import clamped_swiglu
 from engine.models.spec import PackableExperts
 from engine.quant.packed import Packed, pack_stack
@@ -117,8 +117,7 @@ class MoE(PackableExperts):
 
     def _packed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.stacked()
-        if use_kernels(x):
-            from engine.kernels.moe_gemm import moe_forward
+        if (moe_forward := kernel("moe", x)) is not None:
             return moe_forward(x, weights, experts, gate_up, down, self.limit, v41=True)
         inter = gate_up.out_features // 2
 

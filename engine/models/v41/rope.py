@@ -5,7 +5,7 @@ entries it reads) uses `compress_rope_theta` with YaRN that only rescales freque
 V4's YaRN there is no attention-factor multiplier on cos/sin). The rotation is a complex multiply
 in fp32, which is how the release rounds it; the result goes back to the input dtype.
 
-Where `use_kernels` says so, the rotation (and a norm before it) runs as one Triton kernel
+Where the kernel table says so (engine.kernels.dispatch), the rotation (and a norm before it) runs as one Triton kernel
 (engine.kernels.rope_norm), fed the same cos / sin torch.polar makes of the angles.
 """
 
@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from engine.kernels import use_kernels
+from engine.kernels.dispatch import kernel
 from engine.models.common.norms import RMSNorm
 
 
@@ -61,9 +61,7 @@ def apply_rope(values: torch.Tensor, angles: torch.Tensor, inverse: bool = False
     Channels (2i, 2i+1) form the complex number c_i, which is multiplied by exp(+-1j * angle_i).
     Middle (head) axes broadcast. `inverse` undoes a rotation (used on the attention output).
     """
-    if use_kernels(values):
-        from engine.kernels.rope_norm import rope  # Triton: imported only where kernels run
-
+    if (rope := kernel("rope", values)) is not None:
         return rope(values, *_cos_sin(angles), inverse=inverse)
     width = 2 * angles.shape[-1]
     turn = torch.polar(torch.ones_like(angles), angles)
@@ -84,8 +82,6 @@ def _cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def apply_rope_after_norm(values: torch.Tensor, norm: RMSNorm, angles: torch.Tensor) -> torch.Tensor:
     """apply_rope(norm(values), angles): one kernel (one read, one write) where kernels run."""
-    if use_kernels(values):
-        from engine.kernels.rope_norm import norm_rope
-
+    if (norm_rope := kernel("norm_rope", values)) is not None:
         return norm_rope(values, norm.weight, norm.eps, *_cos_sin(angles))
     return apply_rope(norm(values), angles)
