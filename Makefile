@@ -14,12 +14,13 @@ install: $(STAMP)
 # CPU wheel; a looser spec would pull a multi-GB CUDA build. NeMo Automodel is the test-only V4.1
 # reference model: it pins transformers 5.18, ours is 5.24 (the V4 reference) and it runs on 5.24,
 # so it goes in last without its dependencies (pillow, which it imports, is in the test extra).
+# The bench extra: matplotlib, for `epd bench ... --plot`.
 # xgrammar is what `epd bench grammar` measures llguidance (the stack's grammar library) against; without
 # its dependencies: triton is only for its GPU kernels, which the bench does not use.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps nemo-automodel==0.7.0
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $(STAMP)

@@ -55,6 +55,7 @@ Where each part lives (all under bench/engine/):
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 import tempfile
 import time
@@ -107,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "first, then the kernels, on the same weights (the table gains `vs torch`)")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="skip measurements that would end the run later than this (default 450 s)")
+    parser.add_argument("--plot", metavar="FILE", help="also draw tokens/s against batch to FILE (PNG)")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -232,6 +234,10 @@ def run(args: argparse.Namespace) -> int:
     bench.doc["summary"] = summary
     bench.save(complete=True)
     print_report(bench, summary)
+    if args.plot:
+        from bench.engine.plot import write_plot
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        print(f"plot: {write_plot({**bench.doc, 'date': date}, args.plot)}")
     return 0
 
 

@@ -73,6 +73,11 @@ def register(subparsers) -> None:
                         help=f"the model the stack serves (default {DEFAULT_MODEL}, made as `make model` does)")
     parser.add_argument("--workdir", help="the stack's working directory (default: a temporary one, removed after)")
     parser.add_argument("--json", metavar="FILE", help="also write every number to FILE")
+    parser.add_argument("--plot", metavar="FILE",
+                        help="also draw TTFT and tokens/s, stack against engine, to FILE (PNG)")
+    parser.add_argument("--plot-from", nargs="+", metavar="JSON",
+                        help="run nothing: draw --plot from recorded --json results (several, at different "
+                             "--streams: TTFT and tokens/s against concurrency)")
     parser.set_defaults(func=run)
 
 
@@ -83,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     if error:
         print(f"epd bench stack: {error}", file=sys.stderr)
         return 2
+    if args.plot_from:
+        return _plot_recorded(args.plot_from, args.plot)
     configure_logging("warning")
     topology = args.topology or default_topology()
     model_dir = _model_dir(args.model_dir)
@@ -107,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     date = write_json(args.json, "stack", results)["date"] if args.json else _now()
     report(results, date)
+    if args.plot:
+        from bench.stack.plot import write_plot
+        print(f"plot: {write_plot([{**results, 'date': date}], args.plot)}")
     bad = {(m["round"], m["stream"]) for m in results["mismatches"]}
     if bad:
         print(f"epd bench stack: OUTPUT MISMATCH in {len(bad)} of {results['requests']} requests: "
@@ -125,10 +135,24 @@ def _check_args(args: argparse.Namespace) -> str:
         return "--budget-s must be > 0"
     if args.engine_threads < 0:
         return "--engine-threads must be >= 0"
+    if args.plot_from and not args.plot:
+        return "--plot-from needs --plot FILE"
     for flag in ("prefill_gpu", "decode_gpu", "engine_gpu"):
         if getattr(args, flag) is not None and getattr(args, flag) < 0:
             return f"--{flag.replace('_', '-')} must be a GPU index >= 0"
     return ""
+
+
+def _plot_recorded(paths: list[str], out: str) -> int:
+    import json
+    from bench.stack.plot import write_plot
+    try:
+        results = [json.loads(Path(p).read_text()) for p in paths]
+    except (OSError, ValueError) as exc:
+        print(f"epd bench stack: cannot read a recorded result: {exc}", file=sys.stderr)
+        return 2
+    print(f"plot: {write_plot(results, out)}")
+    return 0
 
 
 def pinned_gpus(args: argparse.Namespace) -> dict[str, int]:

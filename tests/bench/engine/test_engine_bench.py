@@ -11,6 +11,7 @@ import pytest
 
 import bench
 from bench.engine import command as engine
+from tests.helpers.test_helper_plot import png_size
 
 pytest.importorskip("transformers")
 
@@ -34,8 +35,8 @@ def run_bench(argv: list[str]) -> int:
 
 @pytest.mark.timeout(240)
 def test_engine_bench_tiny_cpu_quick_writes_ours_hf_and_floor(tmp_path, capsys):
-    out = tmp_path / "engine.json"
-    assert run_bench(["--config", "tiny", "--device", "cpu", "--quick", "--json", str(out)]) == 0
+    out, plot = tmp_path / "engine.json", tmp_path / "engine.png"
+    assert run_bench(["--config", "tiny", "--device", "cpu", "--quick", "--json", str(out), "--plot", str(plot)]) == 0
 
     doc = json.loads(out.read_text())
     assert doc["bench"] == "engine" and doc["complete"] is True
@@ -72,6 +73,7 @@ def test_engine_bench_tiny_cpu_quick_writes_ours_hf_and_floor(tmp_path, capsys):
     for line in summary:
         assert line["ours"] > 0 and line["hf"] > 0 and line["floor"] > 0
         assert line["vs_hf"] > 0 and line["x_floor"] > 0
+    assert png_size(plot)   # --plot: tokens/s against batch (what it draws: test_engine_plot.py)
 
     printed = capsys.readouterr().out
     last = printed[printed.rindex("epd bench engine:"):]   # the ratio table comes last

@@ -15,6 +15,7 @@ import bench
 from bench.stack import command as stack
 from bench.common.local_stack import moved_topology
 from bench.stack.sides import Outcome, Round
+from tests.helpers.test_helper_plot import png_size
 from tests.helpers.test_helper_stack import pid_alive
 
 pytestmark = pytest.mark.slow   # starts service processes
@@ -34,7 +35,7 @@ def test_tiny_stack_bench_runs_both_sides_with_equal_outputs_and_stops_the_stack
     out, work = tmp_path / "stack.json", tmp_path / "work"
     argv = ["--streams", str(STREAMS), "--rounds", str(ROUNDS), "--max-tokens", str(MAX_TOKENS),
             "--min-prompt", "20", "--max-prompt", "160", "--model-dir", str(tiny_v41_model_dir),
-            "--workdir", str(work), "--json", str(out)]
+            "--workdir", str(work), "--json", str(out), "--plot", str(tmp_path / "stack.png")]
     assert run_bench(argv) == 0, capsys.readouterr().err
 
     doc = json.loads(out.read_text())
@@ -73,6 +74,7 @@ def test_tiny_stack_bench_runs_both_sides_with_equal_outputs_and_stops_the_stack
                           "CPU ms / output token", "equal outputs"}
     assert ">= 0.9x" in lines["tokens/s, median round"]
     assert f"{STREAMS * ROUNDS}/{STREAMS * ROUNDS}" in lines["equal outputs"]
+    assert png_size(tmp_path / "stack.png")   # --plot: what it draws is test_stack_plot.py's
 
 
 def test_an_unknown_topology_or_a_missing_model_is_a_clear_error_before_anything_starts(tmp_path, capsys):

@@ -1,0 +1,44 @@
+"""PNG figures for `epd bench ... --plot FILE`.
+
+matplotlib's object API (Figure, no pyplot): no global state and no display, and a PNG is drawn
+by the Agg renderer. Imported only when a plot is asked for, so `epd --help` stays fast.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+PANEL_SIZE = (6.4, 4.6)   # inches per panel
+DPI = 110
+
+
+def figure(panels: int, title: str):
+    """A figure of `panels` side-by-side axes, and the axes."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(PANEL_SIZE[0] * panels, PANEL_SIZE[1]), layout="constrained")
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    fig.suptitle(title, fontsize=10)
+    return fig, list(axes)
+
+
+def save_png(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=DPI)
+    return path
+
+
+def draw_series(ax, series: dict[str, list[tuple[float, float]]], styles: dict[str, str] | None = None) -> None:
+    """One line per named series of (x, y) points; empty series are left out."""
+    for label, points in series.items():
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, (styles or {}).get(label, "o-"), label=label)
+    ax.grid(True, alpha=0.3)
+    if any(series.values()):
+        ax.legend(fontsize=8)
+
+
+def lines_of(fig) -> list[dict[str, list[tuple[float, float]]]]:
+    """What each axes of `fig` shows: label -> its (x, y) points (tests read a figure back with it)."""
+    return [{line.get_label(): list(zip(map(float, line.get_xdata()), map(float, line.get_ydata())))
+             for line in ax.get_lines()} for ax in fig.axes]
