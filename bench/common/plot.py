@@ -37,8 +37,3 @@ def draw_series(ax, series: dict[str, list[tuple[float, float]]], styles: dict[s
     if any(series.values()):
         ax.legend(fontsize=8)
 
-
-def lines_of(fig) -> list[dict[str, list[tuple[float, float]]]]:
-    """What each axes of `fig` shows: label -> its (x, y) points (tests read a figure back with it)."""
-    return [{line.get_label(): list(zip(map(float, line.get_xdata()), map(float, line.get_ydata())))
-             for line in ax.get_lines()} for ax in fig.axes]

@@ -2,9 +2,8 @@
 context, from a run's summary lines."""
 from __future__ import annotations
 
-from bench.common.plot import lines_of
 from bench.engine.plot import draw, write_plot
-from tests.helpers.test_helper_plot import png_size
+from tests.helpers.test_helper_plot import lines_of, png_size
 
 
 def summary_line(measure: str, batch: int, context: int, ours, hf, floor) -> dict:

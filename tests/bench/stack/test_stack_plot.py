@@ -6,9 +6,8 @@ import argparse
 import json
 
 import bench
-from bench.common.plot import lines_of
 from bench.stack.plot import draw, write_plot
-from tests.helpers.test_helper_plot import png_size
+from tests.helpers.test_helper_plot import lines_of, png_size
 
 
 def recorded(streams: int, engine_p50: float, stack_p50: float) -> dict:
