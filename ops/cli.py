@@ -12,7 +12,7 @@ COMMAND_MODULES = (
     "ops.trace.command",     # trace
     "ops.tap",               # tap
     "ops.keys_command",      # keys
-    "ops.compose",           # compose
+    "ops.compose.command",   # compose
     "ops.kube",              # kube
     "bench",                 # bench ...
     "ops.model_commands",    # model init

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ops.compose import CONTAINER_WORKDIR, PUBLISHED_HTTP, STORE_DIRS
+from ops.compose.command import CONTAINER_WORKDIR, PUBLISHED_HTTP, STORE_DIRS
 from ops.topology import ServiceSpec, Topology
 from services.runtime.config import ServiceConfig
 

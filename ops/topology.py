@@ -20,7 +20,7 @@ a setting. Write the peer's service name with an "@" instead of an address:
 Only top-level string values of `settings` that start with "@" are peer names; anything else,
 literal "tcp://..." addresses included, passes through unchanged. A name resolves to the address of
 the service's first replica (as `upstream` does): here `tcp://host:port` of the local stack, so
---port-base, --host and inserted replicas move it; `ops/compose.py` resolves it to
+--port-base, --host and inserted replicas move it; `ops/compose/command.py` resolves it to
 `tcp://<service name>:<port>` (Compose DNS). A name that is not a service of the topology is a
 ValueError naming the service and the setting.
 

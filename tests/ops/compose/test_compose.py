@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ops import compose
+from ops.compose import command as compose
 from ops.topology import load_topology, parse_topology
 from services.runtime.config import ServiceConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 COMMITTED = ROOT / "compose" / "docker-compose.yml"
 
 # A scaled worker pool behind a registry, a gateway on a settings-chosen port that also names the

@@ -1,0 +1,1 @@
+"""`epd compose`: a topology as a Docker Compose file (command.py)."""
