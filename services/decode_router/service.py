@@ -15,8 +15,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from prometheus_client.core import CounterMetricFamily
-
 from messages.routing import DecodeTable, DecodeTableQuery
 from services.decode_router.core import DecodePolicy
 from services.runtime.config import ServiceConfig
@@ -44,7 +42,8 @@ class DecodeRouterService(Service):
         self.settings = parse_settings(DecodeRouterSettings, config.settings, self.kind)
         self.tables_sent = 0
         super().__init__(config)
-        self.metrics.registry.register(_Collector(self, config.instance))
+        self.metrics.counter("epd_decode_router_tables", "Load tables sent to prefill routers",
+                             lambda: self.tables_sent)
 
     def handlers(self) -> dict[type, Handler]:
         return {DecodeTableQuery: self._on_table_query}
@@ -61,15 +60,3 @@ class DecodeRouterService(Service):
     async def on_start(self) -> None:
         s = self.settings
         self.log.info("decode_router.started", alpha=s.alpha, beta=s.beta, worker_kind=s.worker_kind)
-
-
-class _Collector:
-    def __init__(self, service: DecodeRouterService, instance: str):
-        self.service = service
-        self.labels = [service.kind, instance]
-
-    def collect(self):
-        family = CounterMetricFamily("epd_decode_router_tables", "Load tables sent to prefill routers",
-                                     labels=["kind", "instance"])
-        family.add_metric(self.labels, self.service.tables_sent)
-        yield family

@@ -25,7 +25,7 @@ from pathlib import Path
 from messages.errors import ErrorCode, InvalidRequest
 from messages.grammar import GrammarCompile, GrammarCompiled, constraint_key, tokenizer_id
 from services.grammar_compiler.cache import Compiled, GrammarCache
-from services.grammar_compiler.metrics import CompileCounts, CompilerCollector
+from services.grammar_compiler.metrics import CompileCounts, declare_metrics
 from services.grammar_compiler.pool import CompilePool
 from services.runtime.config import ServiceConfig
 from services.runtime.context import Context
@@ -68,7 +68,7 @@ class GrammarCompilerService(Service):
         s = self.settings
         self.pool = CompilePool(s.tokenizer_json, s.processes, s.compile_timeout_s, s.max_queue,
                                 log=self.log.bind(component="compile_pool"))
-        self.metrics.registry.register(CompilerCollector(self, self.kind, config.instance))
+        declare_metrics(self.metrics, self)
 
     def handlers(self) -> dict[type, Handler]:
         return {GrammarCompile: self.on_compile}
@@ -99,7 +99,7 @@ class GrammarCompilerService(Service):
             outcome = "ok"
             if result.source == "compiled":
                 counts.compiled += 1
-                counts.observe_compile(result.compile_ms / 1e3)
+                counts.compile_s.observe(result.compile_ms / 1e3)
         else:
             outcome = error.code.name
             if error.code == ErrorCode.GRAMMAR_UNSUPPORTED:

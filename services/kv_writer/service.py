@@ -27,12 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
 from kvstore.settings import StoreSettings
 from kvstore.store import SegmentStore
 from messages.errors import InvalidRequest, Overloaded
 from messages.kv_store import KvLookup, KvLookupReply, KvPages, KvReadPages, KvWriteAck, KvWritePages
+from services.kv_writer.metrics import declare_metrics
 from services.runtime.config import ServiceConfig
 from services.runtime.context import Context
 from services.runtime.service import Handler, Service
@@ -66,7 +65,7 @@ class KvWriterService(Service):
         self._readers: ThreadPoolExecutor | None = None
         self._gc: asyncio.Task | None = None
         super().__init__(config)
-        self.metrics.registry.register(_StoreCollector(self, self.kind, config.instance))
+        declare_metrics(self.metrics, self)
 
     def handlers(self) -> dict[type, Handler]:
         return {KvWritePages: self.on_write, KvLookup: self.on_lookup, KvReadPages: self.on_read}
@@ -159,48 +158,3 @@ class KvWriterService(Service):
                     self.log.info("kv_writer.gc", segments_dropped=dropped, segments=self.store.segment_count)
             except Exception:   # a failing gc must not end gc for good: log it, try next tick
                 self.log.exception("kv_writer.gc_failed")
-
-
-class _StoreCollector:
-    """Prometheus view of the store's counts, read at scrape time (nothing on the hot path)."""
-
-    _COUNTERS = (
-        ("records_written", "Records (pages) written"),
-        ("bytes_written", "Record bytes written (headers included)"),
-        ("records_skipped", "Pages not written because the store already held them"),
-        ("write_errors", "Write calls that failed with an I/O error"),
-        ("records_read", "Records read back intact"),
-        ("bytes_read", "Record bytes read back intact"),
-        ("read_misses", "Records the index named that could not be served"),
-        ("corrupt_records", "Records that failed their checksum or format check"),
-        ("lookups", "Prefix lookups"),
-        ("lookup_blocks", "Blocks asked in prefix lookups"),
-        ("lookup_hits", "Blocks found by prefix lookups"),
-        ("segments_evicted", "Segments dropped to stay under capacity"),
-        ("records_evicted", "Records dropped with evicted segments"),
-        ("segments_expired", "Segments dropped by gc (every record expired)"),
-        ("records_expired", "Records dropped by gc"),
-        ("segments_recovered", "Unsealed segments verified and sealed at start"),
-    )
-
-    def __init__(self, service: KvWriterService, kind: str, instance: str):
-        self.service = service
-        self.label_names = ["kind", "instance"]
-        self.label_values = [kind, instance]
-
-    def collect(self):
-        store = self.service.store
-        if store is None:
-            return
-        for name, doc, value in (("records", "Records in the index", len(store)),
-                                 ("segments", "Segment files", store.segment_count),
-                                 ("bytes_stored", "Bytes in segment files", store.bytes_stored),
-                                 ("pending_write_bytes", "Page bytes waiting for the writer thread",
-                                  self.service.pending_bytes)):
-            gauge = GaugeMetricFamily(f"epd_kv_{name}", doc, labels=self.label_names)
-            gauge.add_metric(self.label_values, value)
-            yield gauge
-        for name, doc in self._COUNTERS:
-            family = CounterMetricFamily(f"epd_kv_{name}", doc, labels=self.label_names)
-            family.add_metric(self.label_values, getattr(store.stats, name))
-            yield family

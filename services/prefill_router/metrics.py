@@ -1,9 +1,9 @@
-"""Prometheus view of the prefill router's buckets and counts, read at scrape time."""
+"""Prometheus view of the prefill router's buckets and counts, read at scrape time
+(services/runtime/metrics.py)."""
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
 from services.prefill_router.core import PrefillRouterCore
+from services.runtime.metrics import ServiceMetrics
 
 _COUNTERS = (
     ("submitted", "Requests submitted to a bucket (refused ones included)"),
@@ -19,25 +19,12 @@ _COUNTERS = (
 )
 
 
-class RouterCollector:
-    def __init__(self, core: PrefillRouterCore, kind: str, instance: str):
-        self.core = core
-        self.labels = [kind, instance]
-
-    def collect(self):
-        core, names = self.core, ["kind", "instance", "bucket"]
-        gauges = (
-            ("epd_prefill_bucket_engines", "Engine groups serving the bucket", core.engines_per_bucket()),
-            ("epd_prefill_bucket_queued", "Requests waiting in the bucket", core.queue_lengths()),
+def declare_metrics(metrics: ServiceMetrics, core: PrefillRouterCore) -> None:
+    for name, doc, per_bucket in (
+            ("epd_prefill_bucket_engines", "Engine groups serving the bucket", core.engines_per_bucket),
+            ("epd_prefill_bucket_queued", "Requests waiting in the bucket", core.queue_lengths),
             ("epd_prefill_bucket_quota_share", "The bucket's share of the last round's compute quota",
-             core.quota_shares()),
-        )
-        for name, doc, values in gauges:
-            family = GaugeMetricFamily(name, doc, labels=names)
-            for bucket, value in enumerate(values):
-                family.add_metric([*self.labels, str(bucket)], value)
-            yield family
-        for name, doc in _COUNTERS:
-            family = CounterMetricFamily(f"epd_prefill_router_{name}", doc, labels=["kind", "instance"])
-            family.add_metric(self.labels, getattr(core.stats, name))
-            yield family
+             core.quota_shares)):
+        metrics.gauge(name, doc, lambda per_bucket=per_bucket: dict(enumerate(per_bucket())), by="bucket")
+    for name, doc in _COUNTERS:
+        metrics.counter(f"epd_prefill_router_{name}", doc, lambda name=name: getattr(core.stats, name))

@@ -41,7 +41,7 @@ from messages.routing import DecodeTableQuery, PrefillDone, PrefillWork
 from services.prefill_router.core import Outstanding, PrefillRouterCore, Queued, RankView
 from services.prefill_router.decode_slots import DecodeSlots, Reservation
 from services.prefill_router.hit_length import BLOCK_TOKENS, hit_cap, swa_probe
-from services.prefill_router.metrics import RouterCollector
+from services.prefill_router.metrics import declare_metrics
 from services.prefill_router.settings import PrefillRouterSettings
 from services.runtime.config import ServiceConfig
 from services.runtime.context import Context
@@ -76,7 +76,7 @@ class PrefillRouterService(Service):
         self._loops: list[asyncio.Task] = []
         self._table_failing = False
         super().__init__(config)
-        self.metrics.registry.register(RouterCollector(self.core, self.kind, config.instance))
+        declare_metrics(self.metrics, self.core)
 
     def handlers(self) -> dict[type, Handler]:
         return {GenerateRequest: self._on_generate, PrefillDone: self._on_done, ErrorReply: self._on_error,

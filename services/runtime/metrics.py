@@ -1,19 +1,49 @@
 """Prometheus metrics of one service instance (its own registry: no process-global state).
 
-The per-message metrics (messages in/out by type, errors by code, handler latency by type) are
-counted in plain dicts on the hot path and turned into metric families only when scraped: a
-prometheus_client child's inc() or observe() takes a lock and several calls, a few microseconds on
-every message; a dict update costs a tenth of that. Names, labels and buckets are unchanged.
+One way to export a number: a service counts in plain ints, dicts and `Histogram`s on its hot path
+and declares each metric once with a reader (`ServiceMetrics.counter`, `.gauge`, `.histogram`);
+the readers run only when /metrics is scraped. A prometheus_client child's inc() or observe() takes
+a lock and several calls, a few microseconds on every message; a dict update costs a tenth of that.
+Every family carries the `kind` and `instance` labels; `by` names one more label, and its reader
+then returns {label value: number}. A reader returning None has nothing to report yet (the family
+is left out of that scrape).
 """
 from __future__ import annotations
 
 from bisect import bisect_left
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
+
+
+class Histogram:
+    """Observations per bucket and their sum; a bucket holds values up to and including its bound."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...] = DURATION_BUCKETS):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)   # the last is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, observations <= le) per bucket, as the exposition writes them."""
+        out, running = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        return out
 
 
 class ServiceMetrics:
@@ -26,16 +56,33 @@ class ServiceMetrics:
             return Gauge(name, doc, list(labels), registry=r).labels(**labels)
 
         self._labels = labels
+        self._declared: list[tuple[str, str, str, Callable[[], Any], str]] = []
         self._in: dict[str, int] = {}
         self._out: dict[str, int] = {}
         self._errors: dict[str, int] = {}
-        self._latency: dict[str, list] = {}   # type -> [count per bucket (+Inf last), sum]
+        self._latency: dict[str, Histogram] = {}
         self.queue_depth = gauge("epd_queue_depth", "Inbound messages waiting for a handler")
         self.in_flight = gauge("epd_in_flight", "Work items being handled")
         self.state = gauge("epd_state", "0 starting, 1 running, 2 draining, 3 stopped")
         self.peers_alive = gauge("epd_peers_alive", "Registered peers that heartbeat")
-        r.register(_MessageCollector(self))
+        r.register(_Declared(self))
+        self.counter("epd_messages_in", "Messages received, by type", lambda: self._in, by="type")
+        self.counter("epd_messages_out", "Messages sent, by type", lambda: self._out, by="type")
+        self.counter("epd_errors", "Errors, by code", lambda: self._errors, by="code")
+        self.histogram("epd_handle_seconds", "Handler latency, by message type", lambda: self._latency, by="type")
 
+    # ---- declaring a metric: a name, its help, and a reader run at scrape time ------------
+    def counter(self, name: str, doc: str, read: Callable[[], Any], by: str = "") -> None:
+        self._declared.append(("counter", name, doc, read, by))
+
+    def gauge(self, name: str, doc: str, read: Callable[[], Any], by: str = "") -> None:
+        self._declared.append(("gauge", name, doc, read, by))
+
+    def histogram(self, name: str, doc: str, read: Callable[[], Any], by: str = "") -> None:
+        """`read` returns a Histogram (with `by`: {label value: Histogram})."""
+        self._declared.append(("histogram", name, doc, read, by))
+
+    # ---- the per-message counts every service keeps ---------------------------------------
     def received(self, type_name: str) -> None:
         counts = self._in
         counts[type_name] = counts.get(type_name, 0) + 1
@@ -51,43 +98,33 @@ class ServiceMetrics:
     def observe(self, type_name: str, seconds: float) -> None:
         hist = self._latency.get(type_name)
         if hist is None:
-            hist = self._latency[type_name] = [[0] * (len(_LATENCY_BUCKETS) + 1), 0.0]
-        hist[0][bisect_left(_LATENCY_BUCKETS, seconds)] += 1   # the first bucket whose bound is >= seconds
-        hist[1] += seconds
+            hist = self._latency[type_name] = Histogram(LATENCY_BUCKETS)
+        hist.observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _MessageCollector:
-    """Builds the per-message families from ServiceMetrics' dicts at scrape time."""
+class _Declared:
+    """The families ServiceMetrics declared, built from their readers at scrape time."""
 
     def __init__(self, metrics: ServiceMetrics):
         self.m = metrics
 
     def describe(self):
-        return []   # names are known only at collect time; nothing to check against other collectors
+        return []   # families are declared after registration; nothing to check against other collectors
 
     def collect(self):
-        m = self.m
-        names, values = list(m._labels), list(m._labels.values())
-        for name, doc, counts, key in (("epd_messages_in", "Messages received, by type", m._in, "type"),
-                                       ("epd_messages_out", "Messages sent, by type", m._out, "type"),
-                                       ("epd_errors", "Errors, by code", m._errors, "code")):
-            family = CounterMetricFamily(name, doc, labels=[*names, key])
-            for label, count in list(counts.items()):
-                family.add_metric([*values, label], count)
+        names, values = list(self.m._labels), list(self.m._labels.values())
+        for kind, name, doc, read, by in list(self.m._declared):
+            value = read()
+            if value is None:
+                continue
+            family = _FAMILIES[kind](name, doc, labels=[*names, by] if by else names)
+            samples = [([*values, str(label)], v) for label, v in list(value.items())] if by else [(values, value)]
+            for labels, sample in samples:
+                if kind == "histogram":
+                    family.add_metric(labels, sample.cumulative(), sample.total)
+                else:
+                    family.add_metric(labels, sample)
             yield family
-        family = HistogramMetricFamily("epd_handle_seconds", "Handler latency, by message type",
-                                       labels=[*names, "type"])
-        for type_name, (buckets, total) in list(m._latency.items()):
-            cumulative, running = [], 0
-            for bound, count in zip((*_LATENCY_BUCKETS, float("inf")), buckets):
-                running += count
-                cumulative.append((_bound(bound), running))
-            family.add_metric([*values, type_name], cumulative, total)
-        yield family
-
-
-def _bound(bound: float) -> str:
-    return "+Inf" if bound == float("inf") else repr(float(bound))

@@ -25,8 +25,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
 from messages.errors import InvalidRequest, WireError
 from messages.handoff import SwaFetch, SwaState
 from messages.swa_registry import SwaAck, SwaLookup, SwaLookupReply, SwaRegister, SwaUnregister
@@ -37,6 +35,7 @@ from services.runtime.service import Handler, Service
 from services.runtime.settings import flat_field, parse_settings, require_positive
 from services.swa_registry.core import RegistryLimits, SwaRegistry
 from services.swa_registry.holders import CheckIn
+from services.swa_registry.metrics import declare_metrics
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,7 +59,7 @@ class SwaRegistryService(Service):
         self._expiry: asyncio.Task | None = None
         self._holder_expiry: asyncio.Task | None = None
         super().__init__(config)
-        self.metrics.registry.register(_RegistryCollector(self.registry, self.kind, config.instance))
+        declare_metrics(self.metrics, self.registry)
 
     def handlers(self) -> dict[type, Handler]:
         return {SwaRegister: self.on_register, SwaLookup: self.on_lookup, SwaUnregister: self.on_unregister,
@@ -146,39 +145,3 @@ class SwaRegistryService(Service):
                     self.log.warning("swa_registry.holder_silent", holder=holder)
             except Exception:   # a bug here must not end holder expiry for good
                 self.log.exception("swa_registry.holder_expiry_failed")
-
-
-class _RegistryCollector:
-    """Prometheus view of the registry's counts, read at scrape time (nothing on the hot path)."""
-
-    _COUNTERS = (
-        ("registrations", "Hashes registered (new or replaced)"),
-        ("lookups", "Hashes looked up"),
-        ("hits", "Looked-up hashes that had a live holder"),
-        ("misses", "Looked-up hashes with no live holder"),
-        ("evictions", "Entries evicted because the registry was full"),
-        ("expirations", "Entries removed because their TTL ran out"),
-        ("unregistrations", "Entries removed by their holder"),
-        ("dropped", "Entries removed because their holder died, went silent or restarted"),
-        ("restarts", "Holders seen with a new incarnation at their old address"),
-    )
-
-    def __init__(self, registry: SwaRegistry, kind: str, instance: str):
-        self.registry = registry
-        self.label_names = ["kind", "instance"]
-        self.label_values = [kind, instance]
-
-    def collect(self):
-        entries = GaugeMetricFamily("epd_swa_entries", "Live (hash, holder) entries in the SWA registry",
-                                    labels=self.label_names)
-        entries.add_metric(self.label_values, len(self.registry))
-        yield entries
-        processes = GaugeMetricFamily("epd_swa_holder_processes", "Worker processes checked in (by incarnation)",
-                                      labels=self.label_names)
-        processes.add_metric(self.label_values, len(self.registry.tracked))
-        yield processes
-        stats = self.registry.stats
-        for name, doc in self._COUNTERS:
-            family = CounterMetricFamily(f"epd_swa_{name}", doc, labels=self.label_names)
-            family.add_metric(self.label_values, getattr(stats, name))
-            yield family

@@ -1,9 +1,10 @@
-"""Prometheus view of a vision balancer (epd_vision_balancer_*), built at scrape time."""
+"""Prometheus view of a vision balancer (epd_vision_balancer_*), read at scrape time
+(services/runtime/metrics.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from services.runtime.metrics import ServiceMetrics
 
 
 @dataclass(slots=True)
@@ -17,35 +18,21 @@ class BalancerCounts:
     jobs_done: int = 0      # VisionDone reports that settled a job
 
 
-class VisionBalancerCollector:
-    def __init__(self, service, kind: str, instance: str):
-        self.service = service
-        self.names = ["kind", "instance"]
-        self.values = [kind, instance]
+_COUNTERS = (
+    ("requests", "VisionEncode calls accepted"),
+    ("images", "Images forwarded to a vision worker"),
+    ("patches", "Patches of the images forwarded"),
+    ("redispatched", "Jobs placed again after their worker died or refused them"),
+    ("failed", "Images answered VisionFailed because no worker could take them"),
+    ("cancelled", "Jobs cancelled"),
+    ("jobs_done", "Jobs reported done by their worker"),
+)
 
-    def describe(self):
-        return []
 
-    def collect(self):
-        svc = self.service
-        counts = svc.counts
-        for name, doc, value in (
-                ("requests", "VisionEncode calls accepted", counts.requests),
-                ("images", "Images forwarded to a vision worker", counts.images),
-                ("patches", "Patches of the images forwarded", counts.patches),
-                ("redispatched", "Jobs placed again after their worker died or refused them", counts.redispatched),
-                ("failed", "Images answered VisionFailed because no worker could take them", counts.failed),
-                ("cancelled", "Jobs cancelled", counts.cancelled),
-                ("jobs_done", "Jobs reported done by their worker", counts.jobs_done)):
-            family = CounterMetricFamily(f"epd_vision_balancer_{name}", doc, labels=self.names)
-            family.add_metric(self.values, value)
-            yield family
-        jobs = GaugeMetricFamily("epd_vision_balancer_jobs", "Jobs on workers, not yet reported done",
-                                 labels=self.names)
-        jobs.add_metric(self.values, len(svc.core.jobs))
-        yield jobs
-        queued = GaugeMetricFamily("epd_vision_balancer_queued_patches", "Patches queued on each worker, by the "
-                                   "leader's count", labels=[*self.names, "worker"])
-        for name, queue in sorted(svc.core.queues.items()):
-            queued.add_metric([*self.values, name], queue.patches)
-        yield queued
+def declare_metrics(metrics: ServiceMetrics, svc) -> None:
+    """The leader's families, read from `svc` (its counts and its core) at scrape time."""
+    for name, doc in _COUNTERS:
+        metrics.counter(f"epd_vision_balancer_{name}", doc, lambda name=name: getattr(svc.counts, name))
+    metrics.gauge("epd_vision_balancer_jobs", "Jobs on workers, not yet reported done", lambda: len(svc.core.jobs))
+    metrics.gauge("epd_vision_balancer_queued_patches", "Patches queued on each worker, by the leader's count",
+                  lambda: {name: queue.patches for name, queue in sorted(svc.core.queues.items())}, by="worker")

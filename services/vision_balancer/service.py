@@ -29,7 +29,7 @@ from services.runtime.service import Handler, Service
 from services.runtime.settings import parse_settings
 from services.runtime.tracing import SpanContext
 from services.vision_balancer.core import BalancerCore, Job, Placement
-from services.vision_balancer.metrics import BalancerCounts, VisionBalancerCollector
+from services.vision_balancer.metrics import BalancerCounts, declare_metrics
 from services.vision_balancer.policy import POLICIES
 
 WORKER_KIND = "vision_worker"
@@ -69,7 +69,7 @@ class VisionBalancerService(Service):
         self.core = BalancerCore(s.policy, random.Random(s.seed if s.seed >= 0 else None), prefix=f"{random_hex(32)}-")
         self.counts = BalancerCounts()
         self._pids: dict[str, int] = {}   # worker instance -> the pid it registered with
-        self.metrics.registry.register(VisionBalancerCollector(self, self.kind, config.instance))
+        declare_metrics(self.metrics, self)
 
     def handlers(self) -> dict[type, Handler]:
         return {VisionEncode: self.on_encode, VisionDone: self.on_done, VisionCancel: self.on_cancel,

@@ -1,32 +1,10 @@
-"""Prometheus view of a vision worker: counted in plain objects on the request path, turned into
-metric families only when scraped (epd_vision_*)."""
+"""Prometheus view of a vision worker (epd_vision_*): counted in plain objects on the request path,
+read only when scraped (services/runtime/metrics.py)."""
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-ENCODE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-@dataclass(slots=True)
-class Histogram:
-    buckets: list[int] = field(default_factory=lambda: [0] * (len(ENCODE_BUCKETS) + 1))
-    total: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.buckets[bisect_left(ENCODE_BUCKETS, seconds)] += 1
-        self.total += seconds
-
-    def family(self, name: str, doc: str, names: list[str], values: list[str]) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(name, doc, labels=names)
-        cumulative, running = [], 0
-        for bound, count in zip((*ENCODE_BUCKETS, float("inf")), self.buckets):
-            running += count
-            cumulative.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
-        family.add_metric(values, cumulative, self.total)
-        return family
+from services.runtime.metrics import Histogram, ServiceMetrics
 
 
 @dataclass(slots=True)
@@ -41,36 +19,24 @@ class VisionCounts:
     preprocess: Histogram = field(default_factory=Histogram)   # one observation per batch
 
 
-class VisionWorkerCollector:
-    def __init__(self, service, kind: str, instance: str):
-        self.service = service
-        self.names = ["kind", "instance"]
-        self.values = [kind, instance]
+_COUNTERS = (
+    ("images", "Images encoded and sent to their prefill worker"),
+    ("patches", "Patches of the images encoded"),
+    ("failed", "Images answered VisionFailed (bad image, encoder error)"),
+    ("cancelled", "Images dropped because their request was cancelled"),
+    ("undeliverable", "Encoded images whose prefill worker could not be reached"),
+    ("batches", "Encoder batches run"),
+)
 
-    def describe(self):
-        return []
 
-    def collect(self):
-        svc = self.service
-        counts = svc.counts
-        for name, doc, value in (
-                ("images", "Images encoded and sent to their prefill worker", counts.images),
-                ("patches", "Patches of the images encoded", counts.patches),
-                ("failed", "Images answered VisionFailed (bad image, encoder error)", counts.failed),
-                ("cancelled", "Images dropped because their request was cancelled", counts.cancelled),
-                ("undeliverable", "Encoded images whose prefill worker could not be reached", counts.undeliverable),
-                ("batches", "Encoder batches run", counts.batches)):
-            family = CounterMetricFamily(f"epd_vision_{name}", doc, labels=self.names)
-            family.add_metric(self.values, value)
-            yield family
-        for name, doc, value in (
-                ("queue_patches", "Patches queued or being encoded", svc.queue.queued_patches),
-                ("queue_images", "Images waiting for a batch", len(svc.queue)),
-                ("batch_images", "Images in the batch being encoded", svc.batch_size)):
-            gauge = GaugeMetricFamily(f"epd_vision_{name}", doc, labels=self.names)
-            gauge.add_metric(self.values, value)
-            yield gauge
-        yield counts.encode.family("epd_vision_encode_seconds", "Encoder time per batch (preprocessing excluded)",
-                                   self.names, self.values)
-        yield counts.preprocess.family("epd_vision_preprocess_seconds", "Decode, resize and patching time per batch",
-                                       self.names, self.values)
+def declare_metrics(metrics: ServiceMetrics, svc) -> None:
+    """The worker's families, read from `svc` (its counts, queue and batch) at scrape time."""
+    for name, doc in _COUNTERS:
+        metrics.counter(f"epd_vision_{name}", doc, lambda name=name: getattr(svc.counts, name))
+    metrics.gauge("epd_vision_queue_patches", "Patches queued or being encoded", lambda: svc.queue.queued_patches)
+    metrics.gauge("epd_vision_queue_images", "Images waiting for a batch", lambda: len(svc.queue))
+    metrics.gauge("epd_vision_batch_images", "Images in the batch being encoded", lambda: svc.batch_size)
+    metrics.histogram("epd_vision_encode_seconds", "Encoder time per batch (preprocessing excluded)",
+                      lambda: svc.counts.encode)
+    metrics.histogram("epd_vision_preprocess_seconds", "Decode, resize and patching time per batch",
+                      lambda: svc.counts.preprocess)

@@ -25,7 +25,7 @@ from services.runtime.context import Context
 from services.runtime.service import Handler, Service
 from services.runtime.settings import parse_settings
 from services.vision_worker.encode import BatchResult, Failure, encode_batch, warm_up
-from services.vision_worker.metrics import VisionCounts, VisionWorkerCollector
+from services.vision_worker.metrics import VisionCounts, declare_metrics
 from services.vision_worker.queue import Item, PatchQueue, WorkerJob
 from services.vision_worker.settings import VisionWorkerSettings
 from services.workers.tensors import to_frame
@@ -47,7 +47,7 @@ class VisionWorkerService(Service):
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"vision-{config.instance}")
         self._batcher: asyncio.Task | None = None
         self._local_jobs = 0                 # ids for jobs sent here without a leader's id
-        self.metrics.registry.register(VisionWorkerCollector(self, self.kind, config.instance))
+        declare_metrics(self.metrics, self)
 
     def handlers(self) -> dict[type, Handler]:
         return {VisionEncode: self.on_encode, VisionCancel: self.on_cancel}
