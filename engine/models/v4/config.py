@@ -151,7 +151,33 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
     return ModelConfig.from_dict(read_config_dict(name_or_path))
 
 
+# Fields transformers' DeepseekV4 reads whose other values we do not implement, with the one we do.
+_ONLY_VALUE = {
+    "hidden_act": ("silu", "the experts' activation is SiLU"),
+    "mlp_bias": (False, "the expert projections have no bias"),
+    "norm_topk_prob": (True, "the reference always renormalises the chosen experts' weights"),
+}
+
+
+def _refuse_unsupported(raw: dict) -> None:
+    """A field we would otherwise ignore, set to a value we do not implement: refused, naming it."""
+    for key, (value, why) in _ONLY_VALUE.items():
+        if raw.get(key) is not None and raw[key] != value:
+            raise ValueError(f"{key} {raw[key]!r} is not supported ({why}); only {value!r} loads")
+    if raw.get("quantization_config") is not None:
+        raise ValueError("quantization_config: quantized V4 checkpoints do not load; dequantize them to "
+                         "bfloat16 or float32 and drop quantization_config")
+    for alias, name in (("intermediate_size", "moe_intermediate_size"), ("num_local_experts", "n_routed_experts")):
+        if raw.get(alias) is not None and raw.get(name) is not None and raw[alias] != raw[name]:
+            raise ValueError(f"{alias} {raw[alias]} and {name} {raw[name]} disagree (transformers reads "
+                             f"{alias} as {name})")
+
+
 def _parse(raw: dict) -> ModelConfig:
+    _refuse_unsupported(raw)
+    raw = {**raw, **{name: raw[alias] for alias, name in (("intermediate_size", "moe_intermediate_size"),
+                                                          ("num_local_experts", "n_routed_experts"))
+                     if raw.get(alias) is not None}}
     num_layers = int(raw["num_hidden_layers"])
     head_dim = int(raw["head_dim"])
     compress_rates = dict(raw.get("compress_rates") or _DEFAULT_COMPRESS_RATES)

@@ -52,22 +52,42 @@ def load_model(
                 if name is None:
                     continue  # the MTP layer ships in checkpoints; not built yet
                 if isinstance(name, ExpertPiece):
-                    pieces.put(name, f.get_tensor(key))
+                    pieces.put(name, _stored(key, f.get_tensor(key), torch.float32, shard))
                     continue
                 if name not in expected:
+                    if key.endswith(("scale", "scale_inv")):
+                        raise KeyError(f"{key} in {shard.name} is a quantization scale: quantized V4 checkpoints "
+                                       "do not load (dequantize them to bfloat16 or float32)")
                     raise KeyError(f"unexpected parameter {key} in {shard.name}")
-                tensor = f.get_tensor(key)
+                tensor = _stored(key, f.get_tensor(key), expected[name].dtype, shard)
                 if tuple(tensor.shape) != tuple(expected[name].shape):
                     raise ValueError(f"{key}: shape {tuple(tensor.shape)} != {tuple(expected[name].shape)}")
                 loaded[name] = tensor.to(device=device, dtype=tensor_dtype(name, tensor, model_dtype))
     loaded.update(pieces.finished())
-    if config.tie_word_embeddings and "lm_head.weight" not in loaded:
-        loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
+    if config.tie_word_embeddings:  # as transformers ties them: the head is the embedding
+        head, embed = loaded.get("lm_head.weight"), loaded["model.embed_tokens.weight"]
+        if head is not None and not torch.equal(head.to(embed.dtype), embed):
+            raise ValueError("tie_word_embeddings is true but the checkpoint's lm_head differs from its embedding")
+        loaded["lm_head.weight"] = embed
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise KeyError(f"{len(missing)} parameters missing from {model_dir}: {missing[:5]}")
     model.load_state_dict(loaded, strict=True, assign=True)
     return model.eval()
+
+
+# How a floating tensor may be stored (cast on load); float16 too, as `epd model init --dtype float16` writes.
+FLOAT_STORAGE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _stored(key: str, tensor: torch.Tensor, expected: torch.dtype, shard: Path) -> torch.Tensor:
+    """The tensor if its stored dtype is one we load for a parameter of dtype `expected`; else an error naming it."""
+    if expected.is_floating_point and tensor.dtype not in FLOAT_STORAGE:
+        raise ValueError(f"{key} in {shard.name} is {tensor.dtype}: V4 weights load from float32, bfloat16 or "
+                         "float16 (quantized V4 checkpoints do not load)")
+    if not expected.is_floating_point and tensor.is_floating_point():
+        raise ValueError(f"{key} in {shard.name} is {tensor.dtype}, expected integers ({expected})")
+    return tensor
 
 
 class _ExpertStacks:

@@ -11,6 +11,13 @@ Names are the flat reference names (`embed.weight`, `layers.3.attn.wq_a.weight`,
 A quantized tensor `X.weight` has its scale in `X.scale`. DSpark (`mtp.*`) and vision
 (`vision.*`, `aligner.*`, `image_*`) tensors ship too; the text model skips them.
 
+Checkpoints as users have them load too, tensor by tensor (the reference's adapter decides the same
+way): an unquantized tensor may be stored in float32 or bfloat16 (cast on load to what the release
+keeps), and a quantized weight may come dequantized, float32 or bfloat16 at its full shape with no
+scale (the common community BF16 export). Anything else (another dtype or shape, an FP8/MXFP4
+weight without its scale, a scale for a weight the release does not quantize) is refused, naming
+the tensor.
+
 The vision tower (`vision_tensor_specs`) is never quantized: NeMo's adapter quantizes only
 `layers.N.` attention/expert/Engram names, and its vision norms are kept fp32
 (`_keep_in_fp32_modules_strict`: `vision.norm`, `norm1.weight`, `norm2.weight`); every other vision,
@@ -35,6 +42,7 @@ from engine.models.v41.config import V41Config, load_v41_config
 
 BF16, FP32, FP8, MXFP4, FP8_ROWS = "bf16", "fp32", "fp8", "mxfp4", "fp8_rows"
 QUANTIZED = (FP8, MXFP4, FP8_ROWS)
+FLOAT_STORAGE = (torch.float32, torch.bfloat16)  # how an unquantized (or dequantized) tensor may be stored
 VISION_PREFIXES = ("vision.", "aligner.", "image_")
 SKIPPED_PREFIXES = ("mtp.", *VISION_PREFIXES)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
@@ -205,36 +213,64 @@ def iter_v41_state_dict(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(released name, tensor) one at a time, quantized weights decoded on the CPU.
 
-    float32 tensors stay float32 (the reference keeps them so in any model dtype); quantized and
-    bfloat16 tensors come out in `dtype`. With `keep_engram_fp8` the Engram tables come as stored
-    (`...engram.embed.weight` FP8 and `...engram.embed.scale` e8m0, on the CPU whatever `device`):
-    decoded they would double ~94 GiB per layer. Layers past the config's num_hidden_layers are skipped
-    (a truncated config over a full checkpoint), as are DSpark and vision tensors. A tensor the
-    release does not have, a missing one, or a wrong shape or dtype is an error.
+    Tensors the release keeps in float32 come out float32 (the reference keeps them so in any model
+    dtype); every other one comes out in `dtype`. With `keep_engram_fp8` a quantized Engram table
+    comes as stored (`...engram.embed.weight` FP8 and `...engram.embed.scale` e8m0, on the CPU
+    whatever `device`): decoded it would double ~94 GiB per layer; a dequantized one comes alone,
+    as stored. Layers past the config's num_hidden_layers are skipped (a truncated config over a
+    full checkpoint), as are DSpark and vision tensors. A tensor the release does not have, a
+    missing one, or one stored in a form the module docstring does not list is an error.
     """
     model_dir = Path(model_dir)
     config = load_v41_config(model_dir)
     specs = released_tensor_specs(config)
     location = _tensor_files(model_dir)
-    expected = {entry[0] for name, spec in specs.items() for entry in spec.stored(name)}
-    unexpected = sorted(k for k in location if k not in expected and not _skipped(k, config))
+    scales = {scale_name(name) for name, spec in specs.items() if spec.quantized}
+    unexpected = sorted(k for k in location if k not in specs and k not in scales and not _skipped(k, config))
     if unexpected:
         raise KeyError(f"{len(unexpected)} tensors the V4.1 release does not have: {unexpected[:5]}")
-    missing = sorted(expected - set(location))
+    missing = sorted(set(specs) - set(location))
     if missing:
         raise KeyError(f"{len(missing)} tensors missing from {model_dir}: {missing[:5]}")
     with _Shards(model_dir, location) as shards:
         for name, spec in specs.items():
-            stored = [shards.read(key, shape, stored_dtype) for key, shape, stored_dtype in spec.stored(name)]
-            if keep_engram_fp8 and spec.format == FP8_ROWS:
-                yield name, stored[0]
-                yield scale_name(name), stored[1]
-                continue
-            if spec.quantized:
-                tensor = dequantize_weight(spec, stored[0], stored[1], dtype)
+            weight, scale = _read_stored(shards, name, spec)
+            if scale is None:  # unquantized, or a dequantized export of a quantized weight
+                if keep_engram_fp8 and spec.format == FP8_ROWS:
+                    yield name, weight
+                    continue
+                yield name, weight.to(device=device, dtype=torch.float32 if spec.format == FP32 else dtype)
+            elif keep_engram_fp8 and spec.format == FP8_ROWS:
+                yield name, weight
+                yield scale_name(name), scale
             else:
-                tensor = stored[0] if spec.format == FP32 else stored[0].to(dtype)
-            yield name, tensor.to(device)
+                yield name, dequantize_weight(spec, weight, scale, dtype).to(device)
+
+
+def _read_stored(shards: "_Shards", name: str, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, its scale) as the release stores it, or (a float32/bfloat16 weight at its full shape, None)."""
+    weight, scale_key = shards.get(name), scale_name(name)
+    if spec.quantized and scale_key in shards.location:
+        _check(shards, name, weight, spec.stored_shape, spec.dtype)
+        scale = shards.get(scale_key)
+        if scale.dtype == torch.uint8:
+            scale = scale.view(torch.float8_e8m0fnu)  # some exports store e8m0 bytes as U8
+        _check(shards, scale_key, scale, spec.scale_shape, torch.float8_e8m0fnu)
+        return weight, scale
+    if spec.quantized and weight.dtype == spec.dtype:
+        raise KeyError(f"{name} in {shards.location[name].name} is quantized ({weight.dtype}) "
+                       f"but its scale {scale_key} is missing")
+    if weight.dtype not in FLOAT_STORAGE or tuple(weight.shape) != spec.shape:
+        release = f"{spec.dtype} {spec.stored_shape}" + (f" with {scale_key}" if spec.quantized else "")
+        raise ValueError(f"{name} in {shards.location[name].name}: {weight.dtype} {tuple(weight.shape)}; "
+                         f"loadable forms are {release}, or float32/bfloat16 {spec.shape}")
+    return weight, None
+
+
+def _check(shards: "_Shards", key: str, tensor: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+        raise ValueError(f"{key} in {shards.location[key].name}: {tensor.dtype} {tuple(tensor.shape)}, "
+                         f"the release stores {dtype} {tuple(shape)}")
 
 
 def load_v41_state_dict(
@@ -250,9 +286,10 @@ def load_v41_state_dict(
 def iter_vision_state_dict(
     model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(released name, tensor) of the vision tower only: float32 tensors stay float32, bfloat16 ones
-    come out in `dtype`. A model without a vision encoder, a missing tensor or a wrong shape or dtype
-    is an error, as is a vision tensor the config does not describe; text and DSpark tensors are not read."""
+    """(released name, tensor) of the vision tower only: tensors the release keeps in float32 come out
+    float32, the rest in `dtype` (either may be stored in float32 or bfloat16). A model without a
+    vision encoder, a missing tensor or a wrong shape or dtype is an error, as is a vision tensor the
+    config does not describe; text and DSpark tensors are not read."""
     model_dir = Path(model_dir)
     config = load_v41_config(model_dir)
     if not config.vision.enabled:
@@ -267,8 +304,8 @@ def iter_vision_state_dict(
         raise KeyError(f"{len(unexpected)} vision tensors the config does not describe: {unexpected[:5]}")
     with _Shards(model_dir, location) as shards:
         for name, spec in specs.items():
-            tensor = shards.read(name, spec.shape, spec.dtype)
-            yield name, (tensor if spec.format == FP32 else tensor.to(dtype)).to(device)
+            tensor, _ = _read_stored(shards, name, spec)
+            yield name, tensor.to(device=device, dtype=torch.float32 if spec.format == FP32 else dtype)
 
 
 def _skipped(key: str, config: V41Config) -> bool:
@@ -308,14 +345,8 @@ class _Shards:
             handle.__exit__(None, None, None)
         self.handles.clear()
 
-    def read(self, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    def get(self, key: str) -> torch.Tensor:
         path = self.location[key]
         if path not in self.handles:
             self.handles[path] = safe_open(str(path), framework="pt", device="cpu").__enter__()
-        tensor = self.handles[path].get_tensor(key)
-        if dtype == torch.float8_e8m0fnu and tensor.dtype == torch.uint8:
-            tensor = tensor.view(torch.float8_e8m0fnu)  # some exports store e8m0 bytes as U8
-        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-            raise ValueError(f"{key} in {path.name}: {tensor.dtype} {tuple(tensor.shape)}, "
-                             f"the release stores {dtype} {tuple(shape)}")
-        return tensor
+        return self.handles[path].get_tensor(key)

@@ -118,6 +118,7 @@ class V41Config:
     index_source_layer_ids: tuple[int, ...]
     n_shared_experts: int = 1
     scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True  # renormalise the chosen experts' scores to sum to 1 (top_k > 1)
     routed_scaling_factor: float = 1.5
     swiglu_limit: float = 10.0
     rms_norm_eps: float = 1e-20
@@ -181,8 +182,14 @@ class V41Config:
             raise ValueError("candidate_source_layer_id must be a KV source")
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
             raise ValueError("engram_num_embeddings needs one row count per Engram layer")
-        if self.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
-            raise ValueError(f"unknown scoring_func {self.scoring_func!r}")
+        if self.scoring_func != "sqrtsoftplus":  # the reference routes with sqrtsoftplus whatever the field says
+            raise ValueError(f"scoring_func {self.scoring_func!r}: V4.1 routes with 'sqrtsoftplus' only")
+        if self.n_shared_experts != 1:
+            raise ValueError(f"n_shared_experts {self.n_shared_experts}: V4.1 has exactly one shared expert")
+        if self.tie_word_embeddings:
+            raise ValueError("tie_word_embeddings true: V4.1 has its own output head (the reference refuses ties too)")
+        if self.dtype.removeprefix("torch.") not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {self.dtype!r}: expected float32, bfloat16 or float16")
 
     # ---- layer roles
     def role(self, layer: int) -> str:
@@ -258,27 +265,42 @@ def load_v41_config(name_or_path: str | Path | dict) -> V41Config:
     return V41Config.from_dict(name_or_path if isinstance(name_or_path, dict) else read_config_dict(name_or_path))
 
 
+# What the reference (NeMo's DeepseekV41TextConfig) takes when a required size is left out.
+_REFERENCE_SIZES = {
+    "vocab_size": 129280, "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 64,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_groups": 8, "o_lora_rank": 1024,
+    "moe_intermediate_size": 2304, "n_routed_experts": 384, "num_experts_per_tok": 6,
+}
+# The released checkpoint's quantization_config: FP8 e4m3 / MXFP4 with e8m0 (ue8m0) scales, 32x32 blocks.
+_RELEASED_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32],
+                          "expert_dtype": "fp4"}
+
+
 def _parse(raw: dict) -> V41Config:
     text = dict(raw.get("text_config") or raw)
-    n = int(text["num_hidden_layers"])
+    _refuse_unsupported(raw, text)
+    sizes = {key: int(text.get(key) if text.get(key) is not None else default)
+             for key, default in _REFERENCE_SIZES.items()}
+    n = sizes["num_hidden_layers"]
     ratios = text.get("compress_ratios") or [0, 0] + [2] * 18 + [1] * 20 + [0] * 3
+    rope_scaling = text.get("rope_scaling")  # absent or null: the release's YaRN; {} turns it off, as in NeMo
     fields = {
-        "vocab_size": int(text.get("vocab_size", 129280)),
-        "hidden_size": int(text["hidden_size"]),
+        "vocab_size": sizes["vocab_size"],
+        "hidden_size": sizes["hidden_size"],
         "num_layers": n,
-        "num_heads": int(text["num_attention_heads"]),
-        "head_dim": int(text["head_dim"]),
-        "rope_dim": int(text.get("qk_rope_head_dim", 64)),
-        "q_lora_rank": int(text["q_lora_rank"]),
-        "o_groups": int(text["o_groups"]),
-        "o_lora_rank": int(text["o_lora_rank"]),
-        "moe_intermediate_size": int(text["moe_intermediate_size"]),
-        "n_routed_experts": int(text["n_routed_experts"]),
-        "experts_per_token": int(text["num_experts_per_tok"]),
+        "num_heads": sizes["num_attention_heads"],
+        "head_dim": sizes["head_dim"],
+        "rope_dim": sizes["qk_rope_head_dim"],
+        "q_lora_rank": sizes["q_lora_rank"],
+        "o_groups": sizes["o_groups"],
+        "o_lora_rank": sizes["o_lora_rank"],
+        "moe_intermediate_size": sizes["moe_intermediate_size"],
+        "n_routed_experts": sizes["n_routed_experts"],
+        "experts_per_token": sizes["num_experts_per_tok"],
         "compress_ratios": tuple(int(r) for r in ratios[:n]),
         "kv_source_layer_ids": _ids(text.get("kv_source_layer_ids", [2, 8, 14, 20]), n),
         "index_source_layer_ids": _ids(text.get("index_source_layer_ids", [2, 8, 14, 20, 24, 28, 32, 36]), n),
-        "rope_scaling": dict(text.get("rope_scaling") or _DEFAULT_YARN),
+        "rope_scaling": dict(_DEFAULT_YARN if rope_scaling is None else rope_scaling),
         "engram_layer_ids": tuple(int(i) for i in text.get("engram_layer_ids", [1, 14]) if int(i) < n),
     }
     engram_rows = text.get("engram_num_embeddings", [384006168, 384016682])
@@ -287,7 +309,7 @@ def _parse(raw: dict) -> V41Config:
     if text.get("candidate_source_layer_id", 20) >= n:
         fields["candidate_source_layer_id"] = -1
     for key, cast in (
-        ("n_shared_experts", int), ("scoring_func", str), ("routed_scaling_factor", float),
+        ("n_shared_experts", int), ("scoring_func", str), ("norm_topk_prob", bool), ("routed_scaling_factor", float),
         ("swiglu_limit", float), ("rms_norm_eps", float), ("rope_theta", float),
         ("compress_rope_theta", float), ("max_position_embeddings", int), ("sliding_window", int),
         ("index_n_heads", int), ("index_head_dim", int), ("index_topk", int),
@@ -304,10 +326,27 @@ def _parse(raw: dict) -> V41Config:
         value = raw.get(key, text.get(key))
         if value is not None:
             fields[key] = _first(value)
-    fields["dtype"] = str(raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or "bfloat16")
+    # the text model's dtype, as the reference builds it (a top-level dtype alone does not set it)
+    fields["dtype"] = str(text.get("dtype") or text.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    fields["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
     # a missing vision_config is the release's tower, as in NeMo; {"num_hidden_layers": 0} turns it off
     fields["vision"] = V41VisionConfig.from_dict(raw.get("vision_config") or {})
     return V41Config(**fields)
+
+
+def _refuse_unsupported(raw: dict, text: dict) -> None:
+    """Fields the reference reads whose other values we do not implement: refused, naming the field."""
+    if int(text.get("num_key_value_heads", 1)) != 1:
+        raise ValueError(f"num_key_value_heads {text['num_key_value_heads']}: V4.1 attention shares one latent KV head")
+    quantization = raw.get("quantization_config", text.get("quantization_config"))
+    if quantization is None:  # a dequantized export: every weight is stored unquantized
+        return
+    if not isinstance(quantization, dict):
+        raise ValueError(f"quantization_config must be an object, got {quantization!r}")
+    for key, value in quantization.items():
+        if key in _RELEASED_QUANTIZATION and value != _RELEASED_QUANTIZATION[key]:
+            raise ValueError(f"quantization_config.{key} {value!r}: only the release's "
+                             f"{_RELEASED_QUANTIZATION[key]!r} loads")
 
 
 def _ids(ids, n: int) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""Load a V4.1 model directory in the released layout into `DeepseekV41`.
+"""Load a V4.1 model directory into `DeepseekV41`: the released layout, or the forms
+`engine.models.v41.checkpoint` lists (float32/bfloat16 storage, a dequantized BF16 export).
 
 Quantized weights (FP8 32x32 blocks, MXFP4 experts) are dequantized at load, on every device for
 now: the fused kernels that read them directly are issue #15's. The Engram tables stay FP8 in host
@@ -42,7 +43,7 @@ def load_v41_model(
     for index, block in enumerate(model.layers):
         if block.engram is not None:
             prefix = f"layers.{index}.engram.embed."
-            block.engram.load_table(tables[prefix + "weight"], tables[prefix + "scale"])
+            block.engram.load_table(tables[prefix + "weight"], tables.get(prefix + "scale"))  # None: dequantized
     if config.engram_layer_ids:
         tokenizer = model_dir / "tokenizer.json"
         if not tokenizer.exists():

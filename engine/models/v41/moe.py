@@ -1,7 +1,8 @@
 """V4.1 mixture of experts: score routing for every layer (no hash layers), one shared expert.
 
 The gate scores in fp32 (sqrt(softplus(logits))); a text token chooses its experts by
-score + `bias`, an image token by score + `bias_vl`. The chosen scores are renormalised and
+score + `bias`, an image token by score + `bias_vl`. The chosen scores are renormalised (unless
+`norm_topk_prob` is false) and
 scaled by `routed_scaling_factor`. Experts are clamped SwiGLUs computed in fp32; a routed
 expert's weight multiplies its activation before the down projection, and routed outputs add
 up in fp32. Module and parameter names are the released checkpoint's (`w1` gate, `w3` up,
@@ -43,6 +44,7 @@ class Gate(nn.Module):
         super().__init__()
         self.top_k = config.experts_per_token
         self.scaling = config.routed_scaling_factor
+        self.normalize = config.norm_topk_prob
         if config.scoring_func != "sqrtsoftplus":
             raise ValueError(f"V4.1 routes with sqrtsoftplus, not {config.scoring_func!r}")
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
@@ -57,7 +59,7 @@ class Gate(nn.Module):
             bias = torch.where(image_mask[:, None], self.bias_vl.float(), bias)
         experts = torch.topk(scores + bias, self.top_k, dim=-1).indices
         weights = scores.gather(1, experts)
-        if self.top_k > 1:
+        if self.normalize and self.top_k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, experts
 

@@ -111,7 +111,7 @@ def released_config(raw: dict, config: V41Config) -> dict:
         o_lora_rank=c.o_lora_rank, moe_intermediate_size=c.moe_intermediate_size,
         n_routed_experts=c.n_routed_experts, num_experts_per_tok=c.experts_per_token,
         n_shared_experts=c.n_shared_experts, scoring_func=c.scoring_func, topk_method="noaux_tc",
-        norm_topk_prob=True, routed_scaling_factor=c.routed_scaling_factor, swiglu_limit=c.swiglu_limit,
+        norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor, swiglu_limit=c.swiglu_limit,
         hidden_act="silu", rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
         compress_rope_theta=c.compress_rope_theta, rope_scaling=dict(c.rope_scaling),
         max_position_embeddings=c.max_position_embeddings, sliding_window=c.sliding_window,
