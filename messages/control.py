@@ -3,7 +3,10 @@ it (worker -> router), and between the `epd` command and any service.
 
 A worker sends Register to its upstream and waits for Registered (the ready handshake), then a
 Heartbeat every interval carrying its load; the upstream answers each with HeartbeatAck, so both
-sides notice a dead peer. StatusQuery/StatusReply serve `epd status` and health checks. Echo is a
+sides notice a dead peer. Register names the model identity the worker serves; an upstream refuses
+(MODEL_MISMATCH) a worker whose identity differs from its live workers', and its Registered and
+HeartbeatAck name the identity it serves, so a gateway learns it and never configures it.
+StatusQuery/StatusReply serve `epd status` and health checks. Echo is a
 diagnostic round trip (tensors included) used by `epd bench wire` and tests.
 """
 from __future__ import annotations
@@ -40,12 +43,14 @@ class Register(Message):
     address: str       # where peers reach this instance
     pid: int = 0
     role: str = ""
+    model_id: str = ""  # the model identity it serves (an engine's model_id); "" = it serves no model
 
 
 @register(0x0102)
 class Registered(Message):
     heartbeat_interval_s: float
     dead_after: int
+    model_id: str = ""  # the identity the upstream serves, or its live workers announced; "" = none known yet
 
 
 @register(0x0103)
@@ -60,6 +65,7 @@ class Heartbeat(Message):
 class HeartbeatAck(Message):
     seq: int
     known: bool = True   # False: the upstream forgot us (restarted); register again
+    model_id: str = ""   # as Registered.model_id, current: how a gateway learns the identity after it registered
 
 
 @register(0x0105)
@@ -75,6 +81,7 @@ class PeerStatus(msgspec.Struct, array_like=True, gc=False):
     last_heartbeat_age_s: float
     load: Load = msgspec.field(default_factory=Load)
     state: int = ServiceState.RUNNING   # the peer's state from its last heartbeat
+    model_id: str = ""                  # the identity it announced when it registered
 
 
 @register(0x0106)
@@ -89,6 +96,9 @@ class StatusReply(Message):
     upstream: str = ""
     upstream_connected: bool = False
     incarnation: str = ""   # random per process: a restart at the same address answers with another
+    model_id: str = ""      # as Registered.model_id
+    depends_on: list[str] = []   # addresses of services it needs besides its members (a prefill router: its
+                                 # decode router): a gateway's /ready asks them too
 
 
 @register(0x0107)

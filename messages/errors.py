@@ -25,6 +25,7 @@ class ErrorCode(IntEnum):
     ABORTED = 12
     GRAMMAR_UNSUPPORTED = 13    # a constraint uses a feature the grammar library cannot enforce (named)
     GRAMMAR_TIMEOUT = 14        # a constraint too complex to compile: past the hard time limit, or the library's own limits
+    MODEL_MISMATCH = 15         # a worker registered with a model identity other than its pool's
 
 
 class WireError(Exception):
@@ -107,3 +108,7 @@ class GrammarUnsupported(WireError):
 
 class GrammarTimeout(WireError):
     code = ErrorCode.GRAMMAR_TIMEOUT
+
+
+class ModelMismatch(WireError):
+    code = ErrorCode.MODEL_MISMATCH

@@ -5,8 +5,8 @@ container is merged by name, env by name, mounts by path, volumes by name), writ
     cpu-tiny  the image's baked tiny model in float32 (the topology's settings), small requests,
               one replica per pool; the KV store claim ReadWriteOnce (what a one-node dev cluster's
               default storage class offers; pods on one node share it)
-    gpu       bfloat16 on CUDA for the GPU kinds (the gateway's dtype too: it is part of the model
-              identity every block hash covers), one `nvidia.com/gpu` each, GPU nodes, larger
+    gpu       bfloat16 on CUDA for the GPU kinds (the gateway learns the model identity from them),
+              one `nvidia.com/gpu` each, GPU nodes, larger
               requests, and the model from the claim `epd-model` mounted read-only over the model
               directory of every service that names one
 A topology's `gpus` (local GPU pinning) plays no part here: the device plugin gives each pod its GPU.
@@ -68,8 +68,7 @@ PROFILES = (
                    "grammar_compiler": _resources("4", "4Gi", "8Gi"),
                    "kv_writer": _resources("2", "4Gi", "8Gi"),
                    **{kind: _resources("8", "64Gi", "128Gi", gpus=1) for kind in GPU_KINDS}},
-        settings={"gateway": {"dtype": "bfloat16"},
-                  "grammar_compiler": {"processes": 4},   # compile processes: the topology's is the CPU default
+        settings={"grammar_compiler": {"processes": 4},   # compile processes: the topology's is the CPU default
                   **{kind: GPU_SETTINGS for kind in GPU_KINDS}},
         gpu_pod={"nodeSelector": {"nvidia.com/gpu.present": "true"},   # NVIDIA GPU feature discovery's label
                  "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]},

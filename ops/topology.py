@@ -1,12 +1,24 @@
 """Topology files: which services a stack runs, how many of each, and how they find each other.
 
-A TOML file with a [stack] table and one [[service]] table per service:
+A TOML file with a [stack] table, a [model] table and one [[service]] table per service:
     name, kind, replicas, upstream (the name of the service it registers with), settings, and
     any ServiceConfig field (queue_size, concurrency, hwm, grace_s, heartbeat_s, ...).
 Addresses are assigned here: instance i of the whole stack (in file order, replicas included) gets
 tcp://host:(port_base + i). A service registers with its upstream's first replica, or, where the
 upstream is an HTTP front (a gateway), with every replica (ServiceConfig's upstream and
 upstream_replicas): each gateway replica then knows every grammar compiler and vision leader.
+
+The model, named once. [model] says what every service serves:
+    [model]
+    dir = ".epd/models/deepseek-v41-tiny"   # config.json, tokenizer.json, weights
+    dtype = "float32"                       # the engines' dtype (absent: the model's own)
+    weights = "model"                       # "released": the workers keep the release's packed formats
+The launcher hands each kind the keys it takes, as settings (MODEL_SETTINGS): the gateway and the
+grammar compiler the directory; the engine workers all three; the vision worker dir and dtype. A
+service's settings may not name them again (`model_dir`, `dtype`, `weights` there are an error that
+says where they moved). The model identity every block hash carries is derived by the workers from
+these three (`+released` included) and announced when they register; the gateway and the routers
+learn it from there and never configure it (services/runtime/registration.py).
 
 Embedded topologies (ops/topologies/, loaded by name): "default", the E/P/D form (gateway, prefill
 router and workers, decode router and workers, KV writer, SWA registry), "unified", a gateway
@@ -46,6 +58,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
+from services.gateway.readiness import AIDE_KINDS
 from services.runtime.config import ServiceConfig
 
 PEER_PREFIX = "@"
@@ -55,6 +68,12 @@ ALIASES = {"epd": "default"}
 # Kinds whose settings take a torch `device` (EngineConfig's, the vision worker's): only these take `gpus`.
 GPU_KINDS = ("prefill_worker", "decode_worker", "unified_worker", "vision_worker")
 PINNED_DEVICES = ("cuda", "cuda:0")      # what a pinned process may call its one visible GPU
+
+# [model] key -> the settings key a service takes it as; kind -> the [model] keys its settings take
+MODEL_KEYS = {"dir": "model_dir", "dtype": "dtype", "weights": "weights"}
+_ENGINE = ("dir", "dtype", "weights")
+MODEL_SETTINGS = {"gateway": ("dir",), "grammar_compiler": ("dir",), "prefill_worker": _ENGINE,
+                  "decode_worker": _ENGINE, "unified_worker": _ENGINE, "vision_worker": ("dir", "dtype")}
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(ServiceConfig)} - {"kind", "instance", "bind", "advertise",
                                                                            "upstream", "upstream_replicas",
@@ -137,6 +156,7 @@ class Topology:
     grace_s: float = 10.0
     ready_timeout_s: float = 60.0
     source: str = ""
+    model: dict[str, str] = field(default_factory=dict)   # the [model] table (already in each service's settings)
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.services]
@@ -149,6 +169,10 @@ class Topology:
                 if peer not in names:
                     raise ValueError(f"service {spec.name}: settings.{key} = \"{PEER_PREFIX}{peer}\" names no service "
                                      f"of the topology (services: {', '.join(names)})")
+        for gateway in (s for s in self.services if s.kind == "gateway"):   # its /ready waits for its aides
+            aides = sorted({s.kind for s in self.services if s.upstream == gateway.name and s.kind in AIDE_KINDS})
+            if aides:
+                gateway.options.setdefault("settings", {}).setdefault("aides", aides)
 
     def spec(self, name: str) -> ServiceSpec:
         for spec in self.services:
@@ -215,8 +239,7 @@ def gpu_env(gpu: int | None) -> dict[str, str]:
 def load_topology(name_or_path: str | None = None, *, port_base: int | None = None,
                   host: str | None = None, http_port: int | None = None, model_dir: str | None = None) -> Topology:
     """A topology from a file path, or by name from the embedded ones ("default", ...).
-    `model_dir`: every service that names a model serves this one instead (the gateway under the
-    directory's name)."""
+    `model_dir`: the [model] table's dir is this one instead (the gateway serves it under its name)."""
     name_or_path = ALIASES.get(name_or_path or "default", name_or_path or "default")
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.exists():
@@ -226,21 +249,21 @@ def load_topology(name_or_path: str | None = None, *, port_base: int | None = No
         if not embedded.is_file():
             raise ValueError(f"no topology file or embedded topology named {name_or_path!r}")
         text, source = embedded.read_text(), f"embedded:{name_or_path}"
-    topology = parse_topology(tomllib.loads(text), source=source, port_base=port_base, host=host)
+    data = tomllib.loads(text)
+    if model_dir is not None:
+        data["model"] = {**data.get("model", {}), "dir": model_dir}
+    topology = parse_topology(data, source=source, port_base=port_base, host=host)
     if http_port is not None:   # move every HTTP front (the gateway's API) to this port
         for spec in topology.services:
             settings = spec.options.get("settings", {})
             if "http_bind" in settings:
                 bind_host = settings["http_bind"].rpartition(":")[0] or topology.host
                 spec.options["settings"] = {**settings, "http_bind": f"{bind_host}:{http_port}"}
-    if model_dir is not None:
+    if model_dir is not None:   # the gateway serves it under the directory's name
         for spec in topology.services:
             settings = spec.options.get("settings", {})
-            if "model_dir" in settings:
-                settings = {**settings, "model_dir": model_dir}
-                if "served_model" in settings:
-                    settings["served_model"] = Path(model_dir).name
-                spec.options["settings"] = settings
+            if "served_model" in settings:
+                spec.options["settings"] = {**settings, "served_model": Path(model_dir).name}
     return topology
 
 
@@ -250,6 +273,7 @@ def parse_topology(data: dict, *, source: str = "", port_base: int | None = None
     unknown = set(stack) - {"host", "port_base", "metrics_offset", "grace_s", "ready_timeout_s"}
     if unknown:
         raise ValueError(f"[stack]: unknown keys {sorted(unknown)}")
+    model = parse_model(data.get("model", {}))
     services = []
     for raw in data.get("service", []):
         raw = dict(raw)
@@ -257,6 +281,8 @@ def parse_topology(data: dict, *, source: str = "", port_base: int | None = None
             name, kind = raw.pop("name"), raw.pop("kind")
         except KeyError as exc:
             raise ValueError(f"[[service]] needs {exc.args[0]!r}") from None
+        if kind in MODEL_SETTINGS:
+            raw["settings"] = with_model(name, kind, raw.get("settings", {}), model)
         services.append(ServiceSpec(name=name, kind=kind, replicas=raw.pop("replicas", 1),
                                     upstream=raw.pop("upstream", ""), gpus=raw.pop("gpus", ()), options=raw))
     if not services:
@@ -265,4 +291,30 @@ def parse_topology(data: dict, *, source: str = "", port_base: int | None = None
         stack["port_base"] = port_base
     if host is not None:
         stack["host"] = host
-    return Topology(services=services, source=source, **stack)
+    return Topology(services=services, source=source, model=model, **stack)
+
+
+def parse_model(table: dict) -> dict[str, str]:
+    """The [model] table, checked: string values of known keys, `dir` among them."""
+    if not isinstance(table, dict):
+        raise ValueError("[model] must be a table")
+    unknown = set(table) - set(MODEL_KEYS)
+    if unknown:
+        raise ValueError(f"[model]: unknown keys {sorted(unknown)} (known: {', '.join(MODEL_KEYS)})")
+    for key, value in table.items():
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"[model]: {key} must be a non-empty string, got {value!r}")
+    if table and "dir" not in table:
+        raise ValueError("[model] needs dir (the model directory)")
+    return dict(table)
+
+
+def with_model(name: str, kind: str, settings: dict, model: dict[str, str]) -> dict:
+    """A service's settings plus the [model] keys its kind takes; naming one of them there is an error."""
+    if not isinstance(settings, dict):
+        return settings   # ServiceSpec says what is wrong
+    for key, setting in MODEL_KEYS.items():
+        if setting in settings:
+            raise ValueError(f"service {name}: settings.{setting} moved to the topology's [model] table "
+                             f"({key} = ...): the model is named once, for every service")
+    return {**{MODEL_KEYS[key]: model[key] for key in MODEL_SETTINGS[kind] if key in model}, **settings}

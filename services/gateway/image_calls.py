@@ -14,8 +14,8 @@ import asyncio
 import msgspec
 
 from messages.images import split_image_data
-from messages.prefix import block_hashes
 from services.gateway.adapter.errors import GatewayError, invalid_request
+from services.gateway.identity import prompt_hashes, with_hashes
 from services.gateway.vision import ImageInputError
 
 BALANCER_KIND = "vision_balancer"
@@ -47,12 +47,13 @@ async def resolve_images(service, prepared):
         raise image_error(exc, "messages") from None
     loop = asyncio.get_running_loop()
     prepared = await loop.run_in_executor(service.pool, service.adapter.with_images, prepared, images)
-    hashes = block_hashes(service.model_id, prepared.prompt_ids, images=prepared.images) if service.model_id else []
-    return prepared, hashes
+    return prepared, await prompt_hashes(service, prepared.prompt_ids, prepared.images)
 
 
 def send_generate(service, request, wire_id: str, span) -> None:
-    """GenerateRequest to the upstream; image bytes travel as buffer frames (messages/images.py)."""
+    """GenerateRequest to the upstream; image bytes travel as buffer frames (messages/images.py).
+    Overloaded (a WireError) while the model identity its block hashes need is unknown (identity.py)."""
+    request = with_hashes(service, request)
     if not request.images:
         service.send(service.config.upstream, request, request_id=wire_id, span=span)
         return

@@ -6,7 +6,8 @@ it by `return_address`. The first chunk names the worker that streams the reques
 straight there, and the gateway watches that worker (worker_watch.py). A chunk for a request it no
 longer holds gets AbortRequest("abandoned") back at once, so no worker generates for nobody. It
 registers with the upstream and heartbeats: the worker frees a dead gateway's requests; the
-gateway fails the requests still on their way to a worker when the upstream goes silent.
+gateway fails the requests still on their way to a worker when the upstream goes silent. The model
+identity its block hashes carry comes from the upstream's answers, never from a setting (identity.py).
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from pathlib import Path
 
 from messages import ErrorReply, WireError
 from messages.generate import AbortRequest, GenerateChunk
-from messages.prefix import block_hashes, configured_dtype, model_identity
 from services.gateway.open_requests import OpenRequest
 from services.runtime.context import Context
 from services.runtime.service import Service
@@ -29,7 +29,6 @@ from services.runtime.tracing import SpanContext
 class GatewaySettings:
     http_bind: str = "127.0.0.1:8000"
     model_dir: str = ""                  # tokenizer.json and config.json of the served model
-    dtype: str = ""                      # the workers' dtype (part of the block-hash model identity); "" = the model's
     served_model: str = ""            # the API's model name; "" = the model directory's name
     encoding: str = ""                   # "" = the model dir's (config.json model_type); "v4" | "v4.1"
                                          # must agree with the model dir (checked at start)
@@ -51,12 +50,16 @@ class GatewaySettings:
     image_max_pixels: int = 50_000_000    # checked from the header before decoding
     max_images: int = 16                  # per request
     image_allow_networks: tuple[str, ...] = ()   # CIDRs fetched although not public (an internal image store)
+    aides: tuple[str, ...] = ()           # kinds the topology runs for this gateway (grammar_compiler,
+                                          # vision_balancer): /ready waits for each (readiness.py)
 
     def __post_init__(self) -> None:
         if self.encoding not in ("", "v4", "v4.1"):
             raise ValueError(f"encoding must be '', 'v4' or 'v4.1', got {self.encoding!r}")
         if self.max_concurrent_requests < 1 or self.tokenize_threads < 1:
             raise ValueError("max_concurrent_requests and tokenize_threads must be >= 1")
+        if not set(self.aides) <= {"grammar_compiler", "vision_balancer"}:
+            raise ValueError(f"aides may name grammar_compiler and vision_balancer, got {list(self.aides)}")
         if self.max_resumes < 0 or self.resume_timeout_s <= 0:
             raise ValueError("max_resumes must be >= 0 and resume_timeout_s > 0")
         if not all(isinstance(k, str) and k for k in self.api_keys):
@@ -74,10 +77,13 @@ class GatewayService(Service):
 
     def __init__(self, config):
         super().__init__(config)
+        if "dtype" in config.settings:
+            raise ValueError("gateway: settings.dtype is gone: the gateway learns the model identity from the "
+                             "workers as they register; the dtype is the topology's [model] table's")
         self.settings = parse_settings(GatewaySettings, config.settings, self.kind)
         self.pending: dict[str, OpenRequest] = {}   # wire id (resume.py) -> what its HTTP handler waits on
         self.adapter = None
-        self.model_id = ""   # covered by every block hash; equal to the workers' engine model_id
+        self.loop: asyncio.AbstractEventLoop | None = None   # where prepare's pool threads ask the upstream
         self.pool: ThreadPoolExecutor | None = None
         self.images = None   # ImageResolver, when the served model has a vision encoder
         self.http_runner = None
@@ -89,6 +95,11 @@ class GatewayService(Service):
 
     def in_flight(self) -> int:
         return super().in_flight() + len(self.pending)
+
+    @property
+    def model_id(self) -> str:
+        """The workers' model identity, as the upstream last named it ("" = none registered yet)."""
+        return self.upstream.model_id if self.upstream is not None else ""
 
     async def on_start(self) -> None:
         from services.gateway.adapter import Adapter, AdapterConfig, ServedModel
@@ -113,12 +124,11 @@ class GatewayService(Service):
                                  max_pixels=s.image_max_pixels, max_images=s.max_images,
                                  allow_networks=tuple(s.image_allow_networks))
             self.images = ImageResolver(ImageFetcher(limits), sizing)
-        if s.model_dir:
-            self.model_id = model_identity(s.model_dir, s.dtype or configured_dtype(s.model_dir))
+        self.loop = loop
         self.pool = ThreadPoolExecutor(s.tokenize_threads, thread_name_prefix="tokenize")
         self.http_runner = await start_http(self)
         self.in_background(watch_workers(self), "worker_watch.failed")
-        self.log.info("gateway.listening", http=f"http://{s.http_bind}", model=served, model_id=self.model_id,
+        self.log.info("gateway.listening", http=f"http://{s.http_bind}", model=served,
                       encoding=encoding, context_length=context, upstream=self.config.upstream)
 
     async def on_stop(self) -> None:
@@ -187,12 +197,13 @@ class GatewayService(Service):
                              error=msg.message)
 
     def prepare(self, protocol, body: bytes):
-        """Convert, render, encode (adapter), then the prompt's block hash chain. Runs in the pool."""
+        """Convert, render, encode (adapter), then the prompt's block hash chain (identity.py).
+        Runs in the pool."""
+        from services.gateway.identity import prompt_hashes_from_thread
         prepared = self.adapter.prepare(protocol, body)
         if prepared.image_sources:   # hashed once the images are resolved (image_calls.py)
             return prepared, []
-        hashes = block_hashes(self.model_id, prepared.prompt_ids) if self.model_id else []
-        return prepared, hashes
+        return prepared, prompt_hashes_from_thread(self, self.loop, prepared.prompt_ids)
 
     def on_upstream_lost(self) -> None:
         """The upstream stopped answering: requests not yet streaming from a worker (watched on its

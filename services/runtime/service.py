@@ -37,6 +37,7 @@ from services.runtime.context import Context
 from services.runtime.logs import REQUEST_FIELDS
 from services.runtime.membership import DispatchTracker, MembershipTable, Peer
 from services.runtime.metrics import ServiceMetrics
+from services.runtime.registration import register_peer, served_model_id
 from services.runtime.tracing import SpanContext, span_from
 from services.runtime.transport import CLOSE_LINGER_MS, Inbox, Link, Sockets
 from services.runtime.upstream import UpstreamLink
@@ -51,6 +52,7 @@ class Service:
     kind = "echo"   # the base class alone is a complete diagnostic service: status, membership, echo
     streamed_types: tuple[type, ...] = ()   # parts of a request the subclass summarises itself: no line each
     continuation_types: tuple[type, ...] = ()   # parts of work already held (a stream's chunks): taken while draining
+    model_id = ""   # the model identity this process serves (an engine worker sets it once loaded); "" = none
 
     def __init__(self, config: ServiceConfig):
         self.config = config
@@ -358,21 +360,19 @@ class Service:
 
     # ---- built-in handlers -------------------------------------------------------------
     async def _on_register(self, msg: Register, ctx: Context) -> Registered:
-        self.members.register(msg.instance, msg.kind, msg.address, msg.role, time.monotonic())
-        self.metrics.peers_alive.set(len(self.members.alive()))
-        self.log.info("peer.registered", peer=msg.instance, peer_kind=msg.kind, address=msg.address)
-        return Registered(self.config.heartbeat_s, self.config.dead_after)
+        return register_peer(self, msg)   # registration.py: a worker of another model than its pool's is refused
 
     async def _on_heartbeat(self, msg: Heartbeat, ctx: Context) -> HeartbeatAck:
         known = self.members.heartbeat(msg.instance, msg.state, msg.load, time.monotonic())
-        return HeartbeatAck(msg.seq, known)
+        return HeartbeatAck(msg.seq, known, served_model_id(self))
 
     async def _on_status(self, msg: StatusQuery, ctx: Context) -> StatusReply:
         return StatusReply(
             kind=self.kind, instance=self.config.instance, state=int(self.state), pid=os.getpid(),
             uptime_s=round(time.time() - self.started_at, 3), load=self.load(),
             peers=self.members.status(time.monotonic()), upstream=self.config.upstream,
-            upstream_connected=bool(self.upstream and self.upstream.connected), incarnation=self.incarnation)
+            upstream_connected=bool(self.upstream and self.upstream.connected), incarnation=self.incarnation,
+            model_id=served_model_id(self))
 
     async def _on_drain(self, msg: Drain, ctx: Context) -> StatusReply:
         self.begin_drain(msg.grace_s)

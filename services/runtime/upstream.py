@@ -2,7 +2,12 @@
 with load every interval, and reconnect with back-off when the upstream stops answering
 (a liveness counter, as in zguide's Paranoid Pirate). The back-off stops growing at one heartbeat:
 each Register already waits dead_after_s for its answer, so a longer pause would only leave a
-restarted router without its workers for seconds after it came back."""
+restarted router without its workers for seconds after it came back.
+
+Register carries the model identity the service serves (Service.model_id); an upstream whose live
+workers serve another refuses it (MODEL_MISMATCH, logged here as `upstream.registration_refused`)
+and it tries again on the same back-off, so it joins once its pool has changed model. Registered
+and each HeartbeatAck name the identity the upstream serves: `model_id` keeps the last one named."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +15,7 @@ import os
 
 from messages import WireError
 from messages.control import Heartbeat, Register, Registered
+from messages.errors import ErrorCode
 
 
 BACKOFF_START_S = 0.25
@@ -27,6 +33,7 @@ class UpstreamLink:
         self.connected = False
         self.ready = asyncio.Event()   # set while registered: what a request waiting for a restarted upstream awaits
         self.reconnects = 0
+        self.model_id = ""             # the identity the upstream last named; kept while its pool is empty
 
     async def run(self) -> None:
         """Stay registered with the upstream and with its other replicas (ServiceConfig.upstream_replicas)."""
@@ -41,8 +48,12 @@ class UpstreamLink:
                 backoff = BACKOFF_START_S
                 await self._heartbeat_until_lost()
             except WireError as exc:
-                svc.log.warning("upstream.unreachable", upstream=self.address, error=exc.message,
-                                retry_in_s=backoff)
+                if exc.code == ErrorCode.MODEL_MISMATCH:
+                    svc.log.error("upstream.registration_refused", upstream=self.address, model_id=svc.model_id,
+                                  error=exc.message, retry_in_s=backoff)
+                else:
+                    svc.log.warning("upstream.unreachable", upstream=self.address, error=exc.message,
+                                    retry_in_s=backoff)
             if self.connected:
                 self.connected = False
                 self.ready.clear()
@@ -55,9 +66,11 @@ class UpstreamLink:
 
     async def _register(self) -> None:
         svc, cfg = self.service, self.service.config
-        reply = await svc.call(self.address, Register(svc.kind, cfg.instance, cfg.advertise, os.getpid()),
+        register = Register(svc.kind, cfg.instance, cfg.advertise, os.getpid(), model_id=svc.model_id)
+        reply = await svc.call(self.address, register,
                                timeout=cfg.ready_timeout_s if not self.reconnects else cfg.dead_after_s)
         registered: Registered = reply.message
+        self.learn(registered.model_id)
         self.connected = True
         self.ready.set()
         svc.log.info("upstream.registered", upstream=self.address, heartbeat_s=registered.heartbeat_interval_s)
@@ -73,6 +86,7 @@ class UpstreamLink:
                 reply = await svc.call(self.address, Heartbeat(cfg.instance, seq, int(svc.state), svc.load()),
                                        timeout=cfg.heartbeat_s)
                 missed = 0
+                self.learn(reply.message.model_id)
                 if not reply.message.known:
                     svc.log.warning("upstream.forgot_us", upstream=self.address)
                     return
@@ -80,3 +94,10 @@ class UpstreamLink:
                 missed += 1
             await asyncio.sleep(max(0.0, cfg.heartbeat_s - (loop.time() - started)))
         svc.log.warning("upstream.lost", upstream=self.address, missed=missed)
+
+    def learn(self, model_id: str) -> None:
+        """Keep the identity the upstream names; "" (its pool is empty for now) keeps the last one."""
+        if model_id and model_id != self.model_id:
+            self.service.log.info("upstream.model_identity", upstream=self.address, model_id=model_id,
+                                  previous=self.model_id or None)
+            self.model_id = model_id

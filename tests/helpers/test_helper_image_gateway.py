@@ -14,6 +14,7 @@ from services.runtime.service import Service
 class TestHelperImageUpstream(Service):
     kind = "test_helper_image_upstream"
     __test__ = False
+    model_id = "test-helper-model"   # what it names to the gateway, as a unified worker names its engine's
 
     def __init__(self, config):
         super().__init__(config)

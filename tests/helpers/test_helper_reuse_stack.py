@@ -37,9 +37,7 @@ KV_WRITER, SWA_REGISTRY, DECODE_ROUTER, PREFILL_ROUTER, DECODE_WORKER = range(5)
 PREFILL_WORKERS = (5, 6)
 SLOTS = 10
 
-_ENGINE = """model_dir = ".epd/models/{model}"
-dtype = "float32"
-num_pages = 512
+_ENGINE = """num_pages = 512
 max_num_seqs = 8
 max_batched_tokens = 2048
 max_model_len = 8192"""
@@ -48,15 +46,16 @@ max_model_len = 8192"""
 def topology(port_base: int, http_ports: tuple[int, int], model: str = MODEL) -> str:
     at = lambda slot: f"tcp://127.0.0.1:{port_base + slot}"   # noqa: E731
     peers = f'kv_writer = "{at(KV_WRITER)}"\nswa_registry = "{at(SWA_REGISTRY)}"'
-    engine = _ENGINE.format(model=model)
-    gateway = f"""model_dir = ".epd/models/{model}"
-served_model = "{model}"
-dtype = "float32"
+    gateway = f"""served_model = "{model}"
 context_length = 8192"""
     return f"""[stack]
 host = "127.0.0.1"
 port_base = {port_base}
 ready_timeout_s = 240.0
+
+[model]
+dir = ".epd/models/{model}"
+dtype = "float32"
 
 [[service]]
 name = "kv_writer"
@@ -87,7 +86,7 @@ name = "decode_worker"
 kind = "decode_worker"
 upstream = "decode_router"
 [service.settings]
-{engine}
+{_ENGINE}
 {peers}
 
 [[service]]
@@ -96,7 +95,7 @@ kind = "prefill_worker"
 replicas = 2
 upstream = "prefill_router"
 [service.settings]
-{engine}
+{_ENGINE}
 kv_store_dir = ".epd/kvstore"
 {peers}
 
@@ -112,7 +111,7 @@ http_bind = "127.0.0.1:{http_ports[0]}"
 name = "cold_worker"
 kind = "unified_worker"
 [service.settings]
-{engine}
+{_ENGINE}
 enable_prefix_cache = false
 
 [[service]]

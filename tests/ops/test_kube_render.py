@@ -133,12 +133,13 @@ def test_gpu_limits_only_on_the_gpu_workers_of_the_gpu_overlay(rendered):
     assert sorted(workers) == ["decode-worker", "prefill-worker", "vision-worker"]
 
 
-def test_dtype_agrees_between_the_gateway_and_the_workers(rendered):
+def test_dtype_agrees_between_the_workers_and_the_gateway_configures_none(rendered):
     overlay, docs = rendered
     dtype = "bfloat16" if overlay == "gpu" else "float32"
     deployments = of_kind(docs, "Deployment")
-    for name in ("gateway", "prefill-worker", "decode-worker", "vision-worker"):
+    for name in ("prefill-worker", "decode-worker", "vision-worker"):
         assert settings_of(deployments[name])["dtype"] == dtype, name
+    assert "dtype" not in settings_of(deployments["gateway"])   # it learns the identity from the workers
 
 
 def test_gpu_overlay_mounts_the_model_claim_over_every_model_directory(rendered):

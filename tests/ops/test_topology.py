@@ -104,5 +104,7 @@ def test_the_embedded_topologies_are_the_epd_form_and_the_unified_form():
         for spec, _, config in load_topology(name).instances():
             if "model_dir" in config.settings:   # the CPU defaults on the tiny model of `make model`
                 assert config.settings["model_dir"] == ".epd/models/deepseek-v41-tiny", spec.name
-                if spec.kind not in ("grammar_compiler", "vision_balancer"):   # no engine dtype there
+                if spec.kind not in ("gateway", "grammar_compiler", "vision_balancer"):   # no engine dtype there
                     assert config.settings["dtype"] == "float32", spec.name
+                elif spec.kind == "gateway":   # it learns the model identity from the workers
+                    assert "dtype" not in config.settings

@@ -18,12 +18,13 @@ from ops.launcher import Supervisor
 from ops.stack_commands import cmd_status
 from ops.topology import load_topology, parse_topology
 
-WORKER = {"model_dir": "m", "dtype": "bfloat16"}
+WORKER: dict = {}   # the model comes from the [model] table
+MODEL = {"dir": "m", "dtype": "bfloat16"}
 
 
 def topology(*services: dict) -> dict:
-    return {"stack": {"port_base": 6100}, "service": [{"name": "prefill_router", "kind": "prefill_router"},
-                                                      *services]}
+    return {"stack": {"port_base": 6100}, "model": MODEL,
+            "service": [{"name": "prefill_router", "kind": "prefill_router"}, *services]}
 
 
 def prefill(**fields) -> dict:
@@ -52,7 +53,7 @@ def test_fewer_replicas_than_gpus_take_the_first_and_an_explicit_cuda_device_is_
 
 
 def test_services_may_share_a_gpu_and_services_without_gpus_stay_unpinned():
-    vision = {"name": "vision_worker", "kind": "vision_worker", "gpus": [0], "settings": {"model_dir": "m"}}
+    vision = {"name": "vision_worker", "kind": "vision_worker", "gpus": [0], "settings": {}}
     decode = {"name": "decode_worker", "kind": "decode_worker", "settings": dict(WORKER)}
     topo = parse_topology(topology(prefill(gpus=[0]), vision, decode))
     assert topo.gpu_of("prefill_worker-0") == topo.gpu_of("vision_worker-0") == 0
