@@ -5,7 +5,7 @@ unknown key is an error naming the service and the key, so a typo never silently
 default; a value of the wrong type is an error naming the key. A field may gather keys given flat
 in the same mapping: `flat_field()` builds a nested dataclass from its own fields' keys (e.g. the
 prefill router's routing policy), `flat_keys(keys)` collects the listed keys into a dict (e.g. the
-engine options a worker passes on).
+engine options a worker passes on, each checked with the engine's type).
 """
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ def flat_field(default_factory):
     return dataclasses.field(default_factory=default_factory, metadata={"flat": "dataclass"})
 
 
-def flat_keys(keys: tuple[str, ...]):
-    """A dict of the listed keys, given at the top level of the mapping."""
-    return dataclasses.field(default_factory=dict, metadata={"flat": "keys", "keys": tuple(keys)})
+def flat_keys(keys: Mapping[str, type] | tuple[str, ...]):
+    """A dict of the listed keys, given at the top level of the mapping; where `keys` maps each to a
+    type, its value is checked as a field of that type is."""
+    types = dict(keys) if isinstance(keys, Mapping) else dict.fromkeys(keys)
+    return dataclasses.field(default_factory=dict, metadata={"flat": "keys", "keys": types})
 
 
 def known_keys(cls: type) -> set[str]:
@@ -60,7 +62,9 @@ def _build(cls: type[T], values: dict[str, Any], service: str) -> T:
         if flat == "dataclass":
             kwargs[f.name] = _build(hints[f.name], values, service)
         elif flat == "keys":
-            kwargs[f.name] = {k: values[k] for k in f.metadata["keys"] if k in values}
+            types = f.metadata["keys"]
+            kwargs[f.name] = {k: values[k] if types[k] is None else _typed(values[k], types[k], service, k)
+                              for k in types if k in values}
         elif f.name in values:
             kwargs[f.name] = _typed(values[f.name], hints[f.name], service, f.name)
     try:

@@ -6,9 +6,12 @@ from dataclasses import dataclass
 
 from services.runtime.settings import flat_keys, require_positive
 
-ENGINE_KEYS = ("model_dir", "device", "dtype", "num_pages", "max_num_seqs", "max_batched_tokens",
-               "enable_prefix_cache", "batch_invariant", "max_model_len", "swa_cache_bytes", "bounded_replay",
-               "replay_trim", "cuda_graphs", "torch_threads", "weights")   # engine.engine_core.EngineConfig's fields (a test keeps them equal)
+# engine.engine_core.EngineConfig's fields and their types (a test keeps them equal); one that may be
+# None there is given by its value's type here: a topology (TOML) has no null, it leaves the key out
+ENGINE_KEYS = {"model_dir": str, "device": str, "dtype": str, "num_pages": int, "max_num_seqs": int,
+               "max_batched_tokens": int, "enable_prefix_cache": bool, "batch_invariant": bool, "max_model_len": int,
+               "swa_cache_bytes": int, "bounded_replay": bool, "replay_trim": bool, "cuda_graphs": bool,
+               "torch_threads": int, "weights": str}
 
 
 @dataclass(slots=True, frozen=True)

@@ -38,11 +38,12 @@ def test_an_unknown_key_is_named_with_its_service_and_file(tmp_path):
     assert error.startswith(f"{path}: service worker (decode_worker): unknown setting 'kv_writter'")
 
 
-def test_a_value_of_the_wrong_type_is_named(tmp_path):
+@pytest.mark.parametrize("key", ["capacity", "num_pages"])   # the worker's own, and one it passes to its engine
+def test_a_value_of_the_wrong_type_is_named(tmp_path, key):
     path = tmp_path / "type.toml"
-    path.write_text(GOOD.format(extra="capacity = \"4\""))
+    path.write_text(GOOD.format(extra=f"{key} = \"4\""))
     [error] = settings_errors(load_topology(str(path)))
-    assert f"{path}: service worker (decode_worker)" in error and "'capacity' must be a finite int" in error
+    assert f"{path}: service worker (decode_worker)" in error and f"'{key}' must be a finite int" in error
 
 
 def test_a_service_with_replicas_is_reported_once(tmp_path):
