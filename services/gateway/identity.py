@@ -9,8 +9,9 @@ A prompt shorter than one block has no hash, so it needs no identity. A longer o
 it is prepared; when no identity is known then, the gateway asks the upstream once (StatusQuery), so
 a request sent just after the first worker registered does not wait for the next heartbeat. A
 request that still has no hashes when it is sent gets them then, or, with no identity known (no
-worker registered), is refused with a retryable OVERLOADED error (503; Anthropic's 529): never a
-hash chain no worker computes.
+worker registered), is refused with a retryable OVERLOADED error, answered as any upstream that
+cannot take a request (429 `overloaded` for the OpenAI APIs, 529 for Anthropic's): never a hash
+chain no worker computes.
 """
 from __future__ import annotations
 
