@@ -62,6 +62,21 @@ def test_every_text_field_of_the_reference_is_honoured_refused_or_not_for_infere
     assert _text_fields() == set(HONOURED) | set(REFUSED) | NOT_FOR_INFERENCE
 
 
+def test_every_top_level_field_of_the_reference_is_honoured_or_refused():
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+
+    fields = set(inspect.signature(DeepseekV41Config.__init__).parameters) - {"self", "kwargs"}
+    # text_config, vision_config: parsed field by field; the token ids: honoured; tie_word_embeddings:
+    # refused when true; dtype: the text model's governs, as in the reference; architectures: a label
+    assert fields == {"text_config", "vision_config", "image_token_id", "dtype", "pad_token_id", "bos_token_id",
+                      "eos_token_id", "tie_word_embeddings", "architectures"}
+    raw = _raw_b()
+    raw.update(image_token_id=77, bos_token_id=5, eos_token_id=6, pad_token_id=7)
+    ours, theirs = load_v41_config(raw), DeepseekV41Config(**copy.deepcopy(raw))
+    assert (ours.image_token_id, ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
+        theirs.image_token_id, theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (77, 5, 6, 7)
+
+
 def _other_values() -> dict:
     """tiny-v41-b with every honoured field the schedule allows at a value other than the defaults."""
     raw = _raw_b()
