@@ -1,5 +1,6 @@
 """Load whichever model a directory holds: DeepSeek V4 (flat HF config) or V4.1 (`model_type`
-`deepseek_v41`, nested `text_config`, the released quantized layout); check one built elsewhere."""
+`deepseek_v41`, nested `text_config`; the released quantized layout, tensors stored in float32 or
+bfloat16, or a dequantized BF16 export: engine/models/v41/checkpoint.py); check one built elsewhere."""
 
 from __future__ import annotations
 

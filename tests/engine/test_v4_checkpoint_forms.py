@@ -40,6 +40,34 @@ def test_every_field_of_the_reference_config_is_honoured_refused_or_not_for_infe
     assert set(DeepseekV4Config.__annotations__) == HONOURED | set(REFUSED) | NOT_FOR_INFERENCE
 
 
+def _other_values() -> dict:
+    raw = read_config_dict("tiny")
+    raw.update(routed_scaling_factor=2.0, swiglu_limit=6.0, rms_norm_eps=1e-5, hc_sinkhorn_iters=5, hc_eps=1e-5,
+               index_topk=8, sliding_window=64, scoring_func="sigmoid", rope_theta=5000.0, compress_rope_theta=9e4,
+               partial_rotary_factor=0.5, eos_token_id=3, mlp_layer_types=None, num_hash_layers=1)
+    return raw
+
+
+# our ModelConfig's value of each honoured field, as transformers' config holds it
+OURS = {
+    "num_hidden_layers": lambda c: c.num_layers, "num_attention_heads": lambda c: c.num_heads,
+    "num_experts_per_tok": lambda c: c.experts_per_token, "rope_theta": lambda c: c.main_rope.theta,
+    "compress_rope_theta": lambda c: c.compress_rope.theta, "layer_types": lambda c: list(c.layer_types),
+    "mlp_layer_types": lambda c: list(c.mlp_layer_types), "partial_rotary_factor": lambda c: c.rope_dim / c.head_dim,
+}
+
+
+@pytest.mark.parametrize("raw", [read_config_dict("tiny"), _other_values(), {}], ids=["tiny", "other", "defaults"])
+def test_honoured_fields_parse_to_the_references_values(raw):
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+
+    if not raw:   # every size left out; a schedule is required (ours refuses a config without one)
+        raw = {"layer_types": DeepseekV4Config().layer_types}
+    theirs, ours = DeepseekV4Config(**json.loads(json.dumps(raw))), ModelConfig.from_dict(raw)
+    for field in sorted(HONOURED - {"rope_parameters"}):   # rope: through logits, test_reference_equivalence
+        assert OURS.get(field, lambda c: getattr(c, field))(ours) == getattr(theirs, field), field
+
+
 @pytest.mark.parametrize("field", sorted(REFUSED))
 def test_an_unsupported_value_is_refused_naming_the_field(field):
     raw = {**read_config_dict("tiny"), field: REFUSED[field]}

@@ -173,11 +173,20 @@ def _refuse_unsupported(raw: dict) -> None:
                              f"{alias} as {name})")
 
 
+# transformers' DeepseekV4Config defaults for the sizes a config.json may leave out.
+_REFERENCE_SIZES = {
+    "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 43,
+    "num_attention_heads": 64, "head_dim": 512, "q_lora_rank": 1024, "num_experts_per_tok": 6,
+    "n_routed_experts": 256, "o_groups": 8, "o_lora_rank": 1024,
+}
+
+
 def _parse(raw: dict) -> ModelConfig:
     _refuse_unsupported(raw)
     raw = {**raw, **{name: raw[alias] for alias, name in (("intermediate_size", "moe_intermediate_size"),
                                                           ("num_local_experts", "n_routed_experts"))
                      if raw.get(alias) is not None}}
+    raw.update({key: value for key, value in _REFERENCE_SIZES.items() if raw.get(key) is None})
     num_layers = int(raw["num_hidden_layers"])
     head_dim = int(raw["head_dim"])
     compress_rates = dict(raw.get("compress_rates") or _DEFAULT_COMPRESS_RATES)
