@@ -222,6 +222,8 @@ def details(record: dict) -> str:
     if span is not None:
         parts = [span.type, f"from={span.sender or '-'}", f"handle={_ms(span.handle_ms)}ms",
                  f"queue={_ms(span.queue_ms)}ms", f"wire={_ms(span.wire_ms)}ms"]
+        if isinstance(record.get("traffic_class"), str):   # the gateway's: which KV store TTL the request got
+            parts.insert(1, f"class={record['traffic_class']}")
         parts += [f"{name}={_ms(ms)}ms" for name, ms in span.phases.items()]
         parts += [_stream_text(span)] if span.stream else []
         parts.append(f"outcome={span.outcome}")

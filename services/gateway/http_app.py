@@ -1,6 +1,8 @@
 """The gateway's HTTP API (aiohttp): OpenAI Chat Completions and Responses, Anthropic Messages,
 /v1/models, /health, /metrics. Streaming answers are SSE; every error is in the protocol's shape.
 
+/health is liveness; /ready says whether every pool behind the gateway has a live worker (readiness.py).
+
 A request: authenticate -> admit (bounded) -> prepare in a thread (convert, render, encode) ->
 GenerateRequest to the upstream -> chunks through the adapter's stream/accumulator -> the client.
 A client that disconnects cancels its handler, which aborts the request (at its streaming worker
@@ -14,20 +16,24 @@ import hmac
 import re
 import time
 import uuid
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from messages import ErrorReply, WireError
-from messages.common import FinishReason
+from messages.common import FinishReason, TrafficClass
 from messages.control import ServiceState
-from messages.generate import GenerateChunk
-from services.gateway.adapter import GatewayError, Protocol
+from messages.generate import GenerateChunk, GenerateRequest
+from services.gateway.adapter import GatewayError, Protocol, traffic
 from services.gateway.image_calls import resolve_images, send_generate, vision_groups
 from services.gateway.grammar_calls import compile_failure, compile_message, no_compiler, pick_compiler
+from services.gateway import readiness
+from services.gateway.open_requests import OpenRequest
 from services.gateway.resume import RESUMABLE, client_usage, resumed_request
-from services.runtime.tracing import span_from
+from services.runtime.tracing import SpanContext, span_from
 
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -68,6 +74,25 @@ def _logprobs(chunk: GenerateChunk):
     return [(lp, [(t.token_id, t.logprob) for t in top]) for lp, top in zip(chunk.logprobs, tops)]
 
 
+@dataclass(slots=True, eq=False)
+class Call:
+    """One generate call, from admission to its summary line."""
+    protocol: Protocol
+    request_id: str
+    span: SpanContext
+    log: Any
+    started: float
+    prepared_at: float = 0.0
+    phases: dict = field(default_factory=dict)
+    traffic_class: TrafficClass = TrafficClass.CHATBOT
+    prepared: Any = None               # adapter.PreparedRequest, once admitted
+    tracked: OpenRequest | None = None
+    response: Any = None               # its ResponseStream or ResponseAccumulator
+    first_request: GenerateRequest | None = None
+    grammar_call: asyncio.Future | None = None
+    outcome: str = "ok"
+
+
 class GatewayHttp:
     def __init__(self, service):
         self.svc = service
@@ -100,122 +125,138 @@ class GatewayHttp:
             self.active -= 1
 
     async def _generate(self, request: web.Request, protocol: Protocol) -> web.StreamResponse:
-        svc, started = self.svc, time.time()
+        """admit (read, prepare, open) -> stream (send, relay chunks, resume) -> summarize (one line)."""
+        call = self._open_call(request, protocol)
+        refused = await self._admit(request, call)
+        if refused is not None:
+            return refused
+        try:
+            return await self._stream(request, call)
+        except WireError as exc:   # the upstream could not take it (full queue, gone)
+            call.outcome = exc.code.name.lower()
+            return _error_response(protocol, too_busy(protocol, f"upstream unavailable: {exc.message}"))
+        except (asyncio.CancelledError, ConnectionResetError):
+            call.outcome = "client_disconnected"
+            self.svc.abort(call.tracked, "client_disconnected")
+            raise
+        finally:
+            if call.grammar_call is not None:
+                call.grammar_call.cancel()
+            self.svc.close_request(call.tracked)
+            self._summarize(call)
+
+    def _open_call(self, request: web.Request, protocol: Protocol) -> Call:
         given_id = request.headers.get("x-request-id", "")
         request_id = given_id if _REQUEST_ID.match(given_id) else f"req-{uuid.uuid4().hex}"
         span = span_from(request.headers.get("traceparent", ""))
-        log = svc.log.bind(request_id=request_id, trace_id=span.trace_id, span_id=span.span_id)
+        log = self.svc.log.bind(request_id=request_id, trace_id=span.trace_id, span_id=span.span_id)
+        return Call(protocol, request_id, span, log, started=time.time())
+
+    async def _admit(self, request: web.Request, call: Call) -> web.Response | None:
+        """Read, prepare (and resolve images), pick a compiler, open the request: None when it may go
+        on, else the refusal to answer (no summary line: nothing was sent upstream)."""
+        svc, protocol = self.svc, call.protocol
         try:
+            header = traffic.header_class(request.headers.get(traffic.HEADER))
             body = await request.read()
+            prepared, hashes = await asyncio.get_running_loop().run_in_executor(svc.pool, svc.prepare, protocol, body)
+            if prepared.image_sources:
+                images_started = time.time()
+                prepared, hashes = await resolve_images(svc, prepared)
+                # fetch, decode and sizing of the request's images (included in prepare_ms)
+                call.phases["images_ms"] = round((time.time() - images_started) * 1e3, 3)
+                call.phases["images"] = len(prepared.images)
+            call.traffic_class = traffic.resolved_class(header, prepared.traffic_class, prepared.traffic_named)
         except web.HTTPRequestEntityTooLarge:
             return _error_response(protocol, GatewayError(413, "request_too_large", "request body too large"))
-        loop = asyncio.get_running_loop()
-        try:
-            prepared, hashes = await loop.run_in_executor(svc.pool, svc.prepare, protocol, body)
         except GatewayError as exc:
-            log.info("request.rejected", status=exc.status_for(protocol), error=exc.message)
+            call.log.info("request.rejected", status=exc.status_for(protocol), error=exc.message)
             return _error_response(protocol, exc)
-        images_ms = None
-        if prepared.image_sources:
-            images_started = time.time()
-            try:
-                prepared, hashes = await resolve_images(svc, prepared)
-            except GatewayError as exc:
-                log.info("request.rejected", status=exc.status_for(protocol), error=exc.message)
-                return _error_response(protocol, exc)
-            images_ms = round((time.time() - images_started) * 1e3, 3)
-        prepared_at = time.time()
-        if request_id in svc.pending:   # a client reused an id still in flight: keep both apart
-            request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
-            log = log.bind(request_id=request_id)
+        call.prepared_at = time.time()
+        call.phases = {"prepare_ms": round((call.prepared_at - call.started) * 1e3, 3), **call.phases}
+        if call.request_id in svc.pending:   # a client reused an id still in flight: keep both apart
+            call.request_id = f"{call.request_id}-{uuid.uuid4().hex[:8]}"
+            call.log = call.log.bind(request_id=call.request_id)
         compiler = pick_compiler(svc, prepared.grammar.key) if prepared.grammar is not None else ""
         if prepared.grammar is not None and not compiler:
-            log.info("request.rejected", status=503, error="no grammar compiler")
+            call.log.info("request.rejected", status=503, error="no grammar compiler")
             return _error_response(protocol, no_compiler())
-        tracked = svc.open_request(request_id, span)
-        response = prepared.open_response()
-        first_request = prepared.generate_request(return_address=svc.config.advertise, arrival_time=started,
-                                                  block_hashes=hashes,
-                                                  vision_groups=vision_groups(svc) if prepared.images else [])
-        grammar_call = None
+        call.prepared, call.tracked = prepared, svc.open_request(call.request_id, call.span)
+        call.response = prepared.open_response()
+        call.first_request = prepared.generate_request(
+            return_address=svc.config.advertise, arrival_time=call.started, block_hashes=hashes,
+            traffic_class=int(call.traffic_class), vision_groups=vision_groups(svc) if prepared.images else [])
         if compiler:   # compiled while the request is routed and its prefix loaded (grammar_calls.py)
-            first_request.grammar = msgspec.structs.replace(first_request.grammar, compiler=compiler)
-            grammar_call = asyncio.ensure_future(svc.call(
-                compiler, compile_message(first_request.grammar), request_id=request_id, span=span,
+            call.first_request.grammar = msgspec.structs.replace(call.first_request.grammar, compiler=compiler)
+            call.grammar_call = asyncio.ensure_future(svc.call(
+                compiler, compile_message(call.first_request.grammar), request_id=call.request_id, span=call.span,
                 timeout=svc.settings.grammar_timeout_s))
-        outcome, http = "ok", None
-        phases = {"prepare_ms": round((prepared_at - started) * 1e3, 3)}
-        if images_ms is not None:   # fetch, decode and sizing of the request's images (included in prepare_ms)
-            phases["images_ms"], phases["images"] = images_ms, len(prepared.images)
-        try:
-            send_generate(svc, first_request, request_id, span)
-            if grammar_call is not None:
-                failed = await self._grammar_failure(grammar_call, log)
-                grammar_call, phases["grammar_ms"] = None, round((time.time() - prepared_at) * 1e3, 3)
-                if failed is not None:
-                    outcome = failed.code or "grammar_error"
-                    svc.abort(tracked, outcome)
-                    return _error_response(protocol, failed)
-            timeout = svc.settings.first_chunk_timeout_s
-            while True:
-                item = await self._next(tracked, timeout, protocol)
-                if isinstance(item, GatewayError) and item.code in RESUMABLE:
-                    if item.code != "worker_died" and tracked.worker:   # a router's news of the prefill rank, but
-                        log.info("request.failure_ignored", cause=item.code, worker=tracked.worker)   # a worker
-                        continue                                        # streams it already (watched on its own)
-                    if tracked.attempt < svc.settings.max_resumes and await self._resume(tracked, first_request, item, log):
-                        timeout = svc.settings.first_chunk_timeout_s
-                        continue
-                if isinstance(item, GatewayError):   # failed: end in the protocol's shape
-                    outcome = item.code or "error"
-                    svc.abort(tracked, outcome)   # wherever it still waits or runs: free it there
-                    if http is None:
-                        return _error_response(protocol, item)
-                    frames = response.fail(item)
-                else:
-                    tracked.token_ids.extend(item.token_ids)
-                    usage = client_usage(item.usage, len(prepared.prompt_ids), tracked.streamed_before)
-                    frames = response.push(item.token_ids, item.finish_reason or None, usage, _logprobs(item))
-                    if prepared.stream and http is None:
-                        http = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                           "Cache-Control": "no-cache", "x-request-id": request_id})
-                        await http.prepare(request)
-                if http is not None:
-                    for frame in frames:
-                        await http.write(frame)
-                if response.finished:
-                    if isinstance(item, GenerateChunk) and not item.finish_reason:   # EOS / stop sequence
-                        svc.abort(tracked, "stopped_by_gateway")                   # seen here: stop the worker
-                    break
-                timeout = svc.settings.chunk_timeout_s
+        return None
+
+    async def _stream(self, request: web.Request, call: Call) -> web.StreamResponse:
+        """Send the request, then relay its chunks to the client (resuming where a worker died)."""
+        svc, protocol, tracked, response = self.svc, call.protocol, call.tracked, call.response
+        send_generate(svc, call.first_request, call.request_id, call.span)
+        if call.grammar_call is not None:
+            failed = await self._grammar_failure(call.grammar_call, call.log)
+            call.grammar_call, call.phases["grammar_ms"] = None, round((time.time() - call.prepared_at) * 1e3, 3)
+            if failed is not None:
+                call.outcome = failed.code or "grammar_error"
+                svc.abort(tracked, call.outcome)
+                return _error_response(protocol, failed)
+        http, timeout = None, svc.settings.first_chunk_timeout_s
+        while True:
+            item = await self._next(tracked, timeout, protocol)
+            if isinstance(item, GatewayError) and item.code in RESUMABLE:
+                if item.code != "worker_died" and tracked.worker:   # a router's news of the prefill rank, but
+                    call.log.info("request.failure_ignored", cause=item.code, worker=tracked.worker)   # a worker
+                    continue                                        # streams it already (watched on its own)
+                if tracked.attempt < svc.settings.max_resumes and await self._resume(
+                        tracked, call.first_request, item, call.log):
+                    timeout = svc.settings.first_chunk_timeout_s
+                    continue
+            if isinstance(item, GatewayError):   # failed: end in the protocol's shape
+                call.outcome = item.code or "error"
+                svc.abort(tracked, call.outcome)   # wherever it still waits or runs: free it there
+                if http is None:
+                    return _error_response(protocol, item)
+                frames = response.fail(item)
+            else:
+                tracked.token_ids.extend(item.token_ids)
+                usage = client_usage(item.usage, len(call.prepared.prompt_ids), tracked.streamed_before)
+                frames = response.push(item.token_ids, item.finish_reason or None, usage, _logprobs(item))
+                if call.prepared.stream and http is None:
+                    http = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache", "x-request-id": call.request_id})
+                    await http.prepare(request)
             if http is not None:
-                await http.write_eof()
-                return http
-            try:
-                body_out = response.body()
-            except GatewayError as exc:
-                outcome = exc.code or "error"
-                return _error_response(protocol, exc)
-            return web.Response(body=body_out, content_type="application/json",
-                                headers={"x-request-id": request_id})
-        except WireError as exc:   # the upstream could not take it (full queue, gone)
-            outcome = exc.code.name.lower()
-            return _error_response(protocol, too_busy(protocol, f"upstream unavailable: {exc.message}"))
-        except (asyncio.CancelledError, ConnectionResetError):
-            outcome = "client_disconnected"
-            svc.abort(tracked, "client_disconnected")
-            raise
-        finally:
-            if grammar_call is not None:
-                grammar_call.cancel()
-            svc.close_request(tracked)
-            usage = response.usage
-            log.info("request.summary", type=protocol.value, sender="http", start=started,
-                     handle_ms=round((time.time() - started) * 1e3, 3),
-                     phases=phases,
-                     **tracked.stats.fields(started), worker=tracked.worker or None, resumes=tracked.attempt or None,
-                     prompt_tokens=usage.prompt, cached_tokens=usage.cached,
-                     completion_tokens=usage.completion, stream=prepared.stream, outcome=outcome)
+                for frame in frames:
+                    await http.write(frame)
+            if response.finished:
+                if isinstance(item, GenerateChunk) and not item.finish_reason:   # EOS / stop sequence
+                    svc.abort(tracked, "stopped_by_gateway")                   # seen here: stop the worker
+                break
+            timeout = svc.settings.chunk_timeout_s
+        if http is not None:
+            await http.write_eof()
+            return http
+        try:
+            body_out = response.body()
+        except GatewayError as exc:
+            call.outcome = exc.code or "error"
+            return _error_response(protocol, exc)
+        return web.Response(body=body_out, content_type="application/json", headers={"x-request-id": call.request_id})
+
+    @staticmethod
+    def _summarize(call: Call) -> None:
+        """The request's one `request.summary` line (epd trace reads it)."""
+        usage = call.response.usage
+        call.log.info("request.summary", type=call.protocol.value, sender="http", start=call.started,
+                      handle_ms=round((time.time() - call.started) * 1e3, 3), phases=call.phases,
+                      **call.tracked.stats.fields(call.started), worker=call.tracked.worker or None,
+                      resumes=call.tracked.attempt or None, prompt_tokens=usage.prompt, cached_tokens=usage.cached,
+                      completion_tokens=usage.completion, stream=call.prepared.stream,
+                      traffic_class=call.traffic_class.name.lower(), outcome=call.outcome)
 
     @staticmethod
     async def _grammar_failure(call: asyncio.Future, log) -> GatewayError | None:
@@ -311,6 +352,14 @@ class GatewayHttp:
                                   "upstream_connected": bool(svc.upstream and svc.upstream.connected),
                                   "in_flight": len(svc.pending)}, status=200 if ok else 503)
 
+    async def ready(self, request):
+        """Readiness (probes): 200 when every pool behind the gateway has a live worker, else 503
+        naming the pools that are not ready and why (readiness.py)."""
+        found = await readiness.pools(self.svc)
+        missing = readiness.not_ready(found)
+        return web.json_response({"status": "not_ready" if missing else "ready", "pools": found,
+                                  "not_ready": sorted(missing)}, status=503 if missing else 200)
+
     async def metrics(self, request):
         return web.Response(body=self.svc.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -323,6 +372,7 @@ async def start_http(service) -> web.AppRunner:
     app.router.add_post("/v1/messages", api.messages)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", api.health)
+    app.router.add_get("/ready", api.ready)
     app.router.add_get("/metrics", api.metrics)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()

@@ -5,7 +5,8 @@ failure that says a process holding the request is gone (the streaming worker di
 prefill rank died, the upstream router restarted) sends the request again as a new attempt. The
 attempt's prompt is the original prompt plus every token already streamed; its max_tokens is what
 is left; `step_offset` continues a seeded request's draws where they were (engine/sampling), so
-greedy and seeded output equal an uninterrupted run's. The KV store and the SWA registry give the
+greedy and seeded output equal an uninterrupted run's; a thinking budget keeps what is left of it.
+The KV store and the SWA registry give the
 new attempt the prompt's prefix back, exactly: `exact_prefix` turns V4.1's bounded replay (an
 approximation) off for it, so it starts at the last block with a saved window state and
 prefills the rest again. A constrained request's grammar replays the streamed tokens.
@@ -43,13 +44,22 @@ def resumed_request(first: GenerateRequest, generated: list[int], model_id: str)
         raise ValueError(f"nothing left to resume: {len(generated)} of {first.sampling.max_tokens} tokens streamed")
     prompt = list(first.prompt_ids) + list(generated)
     sampling = msgspec.structs.replace(first.sampling, max_tokens=left,
-                                       step_offset=first.sampling.step_offset + len(generated))
+                                       step_offset=first.sampling.step_offset + len(generated),
+                                       thinking_budget=budget_left(first.sampling, generated))
     hashes = block_hashes(model_id, prompt, images=first.images) if model_id else []
     # A constrained request's matcher must stand where the client's output stands: it consumes the
     # streamed tokens first (thinking included: the constraint starts at its `</think>`).
     grammar = msgspec.structs.replace(first.grammar, replay=list(generated)) if first.grammar else None
     return msgspec.structs.replace(first, prompt_ids=prompt, sampling=sampling, block_hashes=hashes,
                                    exact_prefix=True, grammar=grammar)
+
+
+def budget_left(sampling, generated: list[int]) -> int:
+    """A thinking budget counts from the attempt's first output token: what the streamed tokens left of
+    it, or -1 (off) once they closed the thinking section."""
+    if sampling.thinking_budget < 0 or sampling.think_end_id in generated:
+        return -1
+    return max(0, sampling.thinking_budget - len(generated))
 
 
 def client_usage(usage: Usage | None, prompt_tokens: int, generated_before: int) -> Usage | None:

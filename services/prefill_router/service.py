@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from messages import ErrorReply
-from messages.control import Load
+from messages.control import Load, StatusQuery, StatusReply
 from messages.errors import ErrorCode, InvalidRequest, Overloaded, PeerDead, WireError
 from messages.generate import AbortRequest, GenerateRequest
 from messages.routing import DecodeTableQuery, PrefillDone, PrefillWork
@@ -80,7 +80,13 @@ class PrefillRouterService(Service):
 
     def handlers(self) -> dict[type, Handler]:
         return {GenerateRequest: self._on_generate, PrefillDone: self._on_done, ErrorReply: self._on_error,
-                AbortRequest: self._on_abort}
+                AbortRequest: self._on_abort, StatusQuery: self._on_status_query}
+
+    async def _on_status_query(self, msg: StatusQuery, ctx: Context) -> StatusReply:
+        """The shell's answer, naming the decode router: a gateway's /ready checks that pool too."""
+        reply = await self._on_status(msg, ctx)
+        reply.depends_on = [self.settings.decode_router] if self.settings.decode_router else []
+        return reply
 
     def in_flight(self) -> int:
         return super().in_flight() + self.core.queued() + self.core.outstanding()

@@ -35,3 +35,18 @@ def test_a_constrained_attempt_replays_every_streamed_token_into_its_matcher():
 def test_nothing_left_is_no_attempt():
     with pytest.raises(ValueError):
         resumed_request(first(REF), list(range(10)), "")
+
+
+def _thinking(budget: int) -> GenerateRequest:
+    return GenerateRequest(model="m", prompt_ids=[1, 2, 3],
+                           sampling=SamplingParams(max_tokens=10, thinking_budget=budget, think_end_id=9))
+
+
+def test_an_attempt_keeps_what_is_left_of_the_thinking_budget():
+    assert resumed_request(_thinking(5), [7, 8], "").sampling.thinking_budget == 3
+    assert resumed_request(_thinking(2), [7, 8, 6], "").sampling.thinking_budget == 0   # spent: force at once
+
+
+def test_an_attempt_after_the_thinking_ended_has_no_budget():
+    assert resumed_request(_thinking(5), [7, 9, 8], "").sampling.thinking_budget == -1
+    assert resumed_request(_thinking(-1), [7, 8], "").sampling.thinking_budget == -1

@@ -11,7 +11,9 @@ import anthropic
 import openai
 import pytest
 
+from messages.common import TrafficClass
 from ops.control_client import query_status
+from tests.helpers.test_helper_kv_records import stored_records
 from tests.helpers.test_helper_processes import wait_until
 
 pytestmark = pytest.mark.slow   # starts service processes
@@ -223,3 +225,39 @@ def test_logprobs_and_top_logprobs_come_back_for_every_token(oai):
         assert token.logprob <= 0 and len(token.top_logprobs) == 2
         assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
         assert token.logprob <= token.top_logprobs[0].logprob + 1e-6
+
+
+def test_anthropic_thinking_ends_at_its_budget_and_the_answer_follows(claude):
+    ask = dict(model=MODEL, max_tokens=24, messages=[{"role": "user", "content": "Hi"}])
+    free = claude.messages.create(**ask, extra_body=GREEDY)   # thinking mode is the default
+    bounded = claude.messages.create(**ask, extra_body={**GREEDY, "thinking": {"type": "enabled", "budget_tokens": 4}})
+    assert [b.type for b in free.content] == ["thinking"]   # unbounded, this model thinks to the end
+    assert bounded.content[0].type == "thinking" and "text" in [b.type for b in bounded.content[1:]]
+    thought = bounded.content[0].thinking
+    assert thought and free.content[0].thinking.startswith(thought) and len(thought) < len(free.content[0].thinking)
+
+
+DAY = 86400.0
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.",
+                                             "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_each_traffic_class_gets_its_ttl_in_the_kv_store(oai, stack):
+    """Tools make a request agent traffic (kept 3 days); the header overrides that (chatbot: 7 days)."""
+    store = str(stack["root"] / ".epd/kvstore")
+    before = {r.key for r in stored_records(store)}
+    chat(oai, "agent " * 300, max_tokens=2, tools=WEATHER)   # > 2 blocks of prompt: stored by the decode worker
+    chat(oai, "chatbot " * 300, max_tokens=2, tools=WEATHER, extra_headers={"x-epd-traffic-class": "chatbot"})
+
+    def ttls():
+        return {(r.traffic_class, round((r.expires_at - r.written_at) / DAY, 3))
+                for r in stored_records(store) if r.key not in before}
+    wait_until(lambda: len(ttls()) == 2, 30, "both requests' blocks in the KV store")
+    assert ttls() == {(TrafficClass.AGENT, 3.0), (TrafficClass.CHATBOT, 7.0)}
+    assert '"traffic_class": "agent"' in open(service(stack, "gateway")["log"]).read()   # epd trace shows it
+
+
+def test_an_unknown_traffic_class_is_a_400_naming_the_header(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(oai, "Hi", max_tokens=2, extra_headers={"x-epd-traffic-class": "batch"})
+    assert err.value.body["param"] == "x-epd-traffic-class"

@@ -13,7 +13,7 @@ from deepseek_recipe import (
     ChatCompletionRequest, ConversationRequest, ConversionError, MessagesRequest, ResponsesRequest,
 )
 
-from messages.common import SamplingParams
+from messages.common import SamplingParams, TrafficClass
 from messages.generate import GenerateRequest
 from messages.grammar import GrammarRef, constraint_json, constraint_key
 from services.gateway.adapter import request_checks, unenforced
@@ -26,6 +26,8 @@ from services.gateway.adapter.models import V41_IMAGE_TOKEN, ModelRuntime, load_
 from services.gateway.adapter.parsing import output_parsing_for
 from services.gateway.adapter.request_checks import RequestedSampling
 from services.gateway.adapter.response import ResponseAccumulator, ResponseSpec, ResponseStream
+from services.gateway.adapter.thinking import requested_budget, thinking_params
+from services.gateway.adapter.traffic import body_class
 from services.gateway.vision.sources import image_part_paths, sources_of
 
 _REQUEST_CLASS = {Protocol.CHAT: ChatCompletionRequest, Protocol.RESPONSES: ResponsesRequest,
@@ -48,6 +50,8 @@ class PreparedRequest:
     # fetches and sizes them, then `Adapter.with_images` writes their spans into prompt_ids.
     image_sources: tuple = ()
     images: tuple = ()                # messages.images.ImageInput, once resolved
+    traffic_class: TrafficClass = TrafficClass.CHATBOT   # from metadata.traffic_class, else by its tools (traffic.py)
+    traffic_named: bool = False       # whether the body named it (a header naming another is refused)
 
     def open_stream(self, response_id: str | None = None) -> ResponseStream:
         return ResponseStream(self.response, response_id)
@@ -93,7 +97,8 @@ class Adapter:
         if request_checks.normalise(protocol, payload):
             body = msgspec.json.encode(payload)
         unenforced.refuse_images(protocol, payload, self.config.accept_images)
-        requested = request_checks.requested_sampling(payload)
+        requested = replace(request_checks.requested_sampling(payload),
+                            thinking_budget=requested_budget(protocol, payload))
         echo, namespace_tools = None, {}
         try:
             library_request = _REQUEST_CLASS[protocol](body)
@@ -141,13 +146,18 @@ class Adapter:
         options = converted.inference_options
         parsing = output_parsing_for(converted)
         grammar = None if payload is None else _grammar_ref(runtime, constraint_of(protocol, payload, parsing), parsing)
+        budget, think_end = thinking_params(requested.thinking_budget, options.max_tokens, parsing,
+                                            runtime.table.added_ids)
         # The request's own values first: in thinking mode the library resolves temperature and
         # top_p to its recommended 1.0 / 0.95 whatever was asked, so temperature 0 was not greedy.
         sampling = SamplingParams(
             temperature=_or(requested.temperature, _or(options.temperature, 1.0)),
             top_p=_or(requested.top_p, _or(options.top_p, 1.0)), top_k=requested.top_k,
             seed=_or(options.seed, requested.seed), max_tokens=max_tokens, stop_token_ids=[runtime.eos_id],
-            logprobs=options.logprobs, top_logprobs=_or(options.top_logprobs, 0))
+            logprobs=options.logprobs, top_logprobs=_or(options.top_logprobs, 0),
+            thinking_budget=budget, think_end_id=think_end)
+        tools = payload.get("tools") if payload is not None else conversation.tools
+        traffic, named = body_class(payload, bool(tools))
         spec = ResponseSpec(
             protocol=protocol, model=model, request=converted, parsing=parsing,
             tokenizer=runtime.tokenizer, table=runtime.table, prompt_tokens=len(prompt_ids),
@@ -157,7 +167,7 @@ class Adapter:
             stream=converted.stream, context_length=context,
             stop_sequences=parsing.stop_sequences,
             grammar=grammar,
-            response=spec, image_sources=image_sources)
+            response=spec, image_sources=image_sources, traffic_class=traffic, traffic_named=named)
 
     def with_images(self, prepared: PreparedRequest, images) -> PreparedRequest:
         """Write each resolved image's span over its placeholder (one image token each, in order) and

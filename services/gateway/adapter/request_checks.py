@@ -81,6 +81,7 @@ class RequestedSampling:
     top_p: float | None = None
     seed: int | None = None
     top_k: int = 0
+    thinking_budget: int = -1   # thinking.budget_tokens (thinking.py); -1 = none
 
 
 def requested_sampling(payload: dict) -> RequestedSampling:

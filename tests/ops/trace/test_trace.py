@@ -249,3 +249,10 @@ def test_epd_trace_without_a_request_id_names_only_request_id_as_missing(capsys)
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "required: REQUEST_ID" in err and "SOURCE" not in err.splitlines()[-1]
+
+
+def test_the_gateway_summary_shows_the_requests_traffic_class():
+    line = _summary(10.0, "gw-1", "gateway", "chat.completions", "http", 0.5, 9.5, 0.5, GW_SPAN,
+                    traffic_class="agent")
+    text = trace.render(trace.read_trace([line], "req-1"))
+    assert "chat.completions class=agent from=http" in text
