@@ -77,6 +77,21 @@ def test_every_top_level_field_of_the_reference_is_honoured_or_refused():
         theirs.image_token_id, theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (77, 5, 6, 7)
 
 
+def test_every_vision_field_of_the_reference_is_parsed_to_its_value():
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41VisionConfig
+
+    from engine.models.v41.config import _VISION_KEYS
+
+    assert set(inspect.signature(DeepseekV41VisionConfig.__init__).parameters) - {"self", "kwargs"} == {
+        key for key, _, _ in _VISION_KEYS}
+    raw = {"num_hidden_layers": 3, "hidden_size": 96, "num_attention_heads": 6, "intermediate_size": 200,
+           "patch_size": 7, "rope_theta": 500.0, "downsample_ratio": 2, "max_image_tokens": 64, "min_pixels": 1000,
+           "max_wh_ratio": 4.0}
+    ours, theirs = load_v41_config({**_raw_b(), "vision_config": raw}).vision, DeepseekV41VisionConfig(**raw)
+    for key, attribute, _ in _VISION_KEYS:
+        assert getattr(ours, attribute) == getattr(theirs, key), key
+
+
 def _other_values() -> dict:
     """tiny-v41-b with every honoured field the schedule allows at a value other than the defaults."""
     raw = _raw_b()
