@@ -13,7 +13,7 @@ COMMAND_MODULES = (
     "ops.tap",               # tap
     "ops.keys_command",      # keys
     "ops.compose.command",   # compose
-    "ops.kube",              # kube
+    "ops.kube.command",      # kube
     "bench",                 # bench ...
     "ops.model_commands",    # model init
     "ops.replay_command",    # replay-check

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ops.kube_stack import KubeStack
+from ops.kube.stack import KubeStack
 from ops.topology import ServiceSpec
 from services.runtime.config import ENV_PREFIX, ServiceConfig
 

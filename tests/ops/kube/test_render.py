@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ops.kube_overlays import GPU_KINDS, GPU_RESOURCE, MODEL_CLAIM
-from ops.kube_workloads import KEYS_DIR, KEYS_SECRET, KVSTORE_CLAIM
+from ops.kube.overlays import GPU_KINDS, GPU_RESOURCE, MODEL_CLAIM
+from ops.kube.workloads import KEYS_DIR, KEYS_SECRET, KVSTORE_CLAIM
 from ops.topology import load_topology
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate (the test extra) is not installed")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
 KUBECTL = shutil.which("kubectl")
 SCHEMA_VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())   # the oldest we support, the newest known

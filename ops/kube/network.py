@@ -1,4 +1,4 @@
-"""NetworkPolicies: no ingress to the stack's pods but the service graph's edges (ops/kube_edges.py),
+"""NetworkPolicies: no ingress to the stack's pods but the service graph's edges (ops/kube/edges.py),
 Prometheus on the metrics ports, and anyone on the gateway's HTTP port.
 
 One policy denies all ingress to every pod of the stack (app.kubernetes.io/part-of=epd); then one
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ops.kube_edges import Edge
-from ops.kube_stack import KubeStack
-from ops.kube_workloads import PART_OF, labels, selector
+from ops.kube.edges import Edge
+from ops.kube.stack import KubeStack
+from ops.kube.workloads import PART_OF, labels, selector
 
 DEFAULT_DENY = "epd-default-deny-ingress"
 PROMETHEUS = {

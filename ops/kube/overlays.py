@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ops.kube_stack import KubeStack
-from ops.kube_workloads import CONTAINER, KVSTORE_CLAIM, PROBE_PERIOD_S, environment, metadata
+from ops.kube.stack import KubeStack
+from ops.kube.workloads import CONTAINER, KVSTORE_CLAIM, PROBE_PERIOD_S, environment, metadata
 from ops.topology import ServiceSpec
 
 NAMESPACE = "epd"

@@ -1,8 +1,8 @@
 """`epd kube`: the committed deploy/k8s tree is what the generator writes for the default topology,
 the generated objects carry the topology's configuration (EPD_* env, ports, probes, keys, the KV
 store), singletons and pools are told apart, and names are DNS-1123 labels. Rendering the overlays
-with kubectl and validating against the Kubernetes schemas is in test_kube_render.py; the
-NetworkPolicies' edges are in test_kube_network.py."""
+with kubectl and validating against the Kubernetes schemas is in test_render.py; the
+NetworkPolicies' edges are in test_network.py."""
 from __future__ import annotations
 
 import argparse
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ops import kube
-from ops.kube_stack import KubeStack, dns_name
-from ops.kube_workloads import KEYS_DIR, KEYS_SECRET, KVSTORE_CLAIM
+from ops.kube import command as kube
+from ops.kube.stack import KubeStack, dns_name
+from ops.kube.workloads import KEYS_DIR, KEYS_SECRET, KVSTORE_CLAIM
 from ops.topology import load_topology, parse_topology
 from services.runtime.config import ServiceConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BASE = ROOT / "deploy" / "k8s" / "base"
 OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
 POD_IP = "10.1.2.3"

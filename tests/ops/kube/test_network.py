@@ -2,7 +2,7 @@
 Prometheus on the metrics ports, anyone on the gateway's HTTP port.
 
 EXPECTED_EDGES is the default stack's graph as read from the code (who opens a link to whom), kept
-here by hand so that a rule dropped from ops/kube_edges.py, or a policy that stops allowing one of
+here by hand so that a rule dropped from ops/kube/edges.py, or a policy that stops allowing one of
 its edges, fails this test."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import yaml
 
-from ops import kube
-from ops.kube_edges import service_edges
-from ops.kube_network import DEFAULT_DENY, PROMETHEUS
+from ops.kube import command as kube
+from ops.kube.edges import service_edges
+from ops.kube.network import DEFAULT_DENY, PROMETHEUS
 from ops.topology import load_topology, parse_topology
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 POLICIES = ROOT / "deploy" / "k8s" / "base" / "network-policies.yaml"
 COMPONENT = "app.kubernetes.io/component"
 

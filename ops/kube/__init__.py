@@ -1,0 +1,1 @@
+"""`epd kube`: a topology as Kubernetes manifests, a base and overlays (command.py)."""
