@@ -67,7 +67,7 @@ def deployment(stack: KubeStack, spec: ServiceSpec) -> dict[str, Any]:
         "args": ["serve", spec.kind],   # the image's ENTRYPOINT is `epd`
         "env": environment(stack, spec),
         "ports": container_ports(stack, spec),
-        **probes(ports.zmq, config.ready_timeout_s),
+        **probes(ports.zmq, config.ready_timeout_s, serves_http=ports.http is not None),
         "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
@@ -138,16 +138,18 @@ def container_ports(stack: KubeStack, spec: ServiceSpec) -> list[dict[str, Any]]
     return out
 
 
-def probes(port: int, ready_timeout_s: float) -> dict[str, Any]:
+def probes(port: int, ready_timeout_s: float, serves_http: bool = False) -> dict[str, Any]:
     """`epd health` inside the container: exit 0 only while the service is RUNNING (not starting,
     not draining). The startup probe allows the service's ready_timeout_s; then readiness takes a
-    draining pod out of its Service and liveness restarts one that stopped answering."""
+    draining pod out of its Service and liveness restarts one that stopped answering. The gateway's
+    readiness is its HTTP /ready: it takes traffic only while every pool behind it has a live worker."""
     command = {"exec": {"command": ["epd", "health", "--address", f"tcp://127.0.0.1:{port}"]}}
+    ready = {"httpGet": {"path": "/ready", "port": "http"}} if serves_http else command
     start = PROBE_PERIOD_S["startup"]
     return {
         "startupProbe": {**command, "periodSeconds": start, "timeoutSeconds": PROBE_TIMEOUT_S,
                          "failureThreshold": max(1, math.ceil(ready_timeout_s / start))},
-        "readinessProbe": {**command, "periodSeconds": PROBE_PERIOD_S["readiness"],
+        "readinessProbe": {**ready, "periodSeconds": PROBE_PERIOD_S["readiness"],
                            "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": 1},
         "livenessProbe": {**command, "periodSeconds": PROBE_PERIOD_S["liveness"],
                           "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": LIVENESS_FAILURES},

@@ -261,3 +261,13 @@ def test_an_unknown_traffic_class_is_a_400_naming_the_header(oai):
     with pytest.raises(openai.BadRequestError) as err:
         chat(oai, "Hi", max_tokens=2, extra_headers={"x-epd-traffic-class": "batch"})
     assert err.value.body["param"] == "x-epd-traffic-class"
+
+
+def test_ready_names_every_pool_of_the_topology(stack):
+    """The default topology's pools, each with a live worker once `epd up` returned (/health is liveness)."""
+    conn = http.client.HTTPConnection(urlparse(stack["url"]).netloc, timeout=10)
+    conn.request("GET", "/ready")
+    reply = conn.getresponse()
+    body = json.loads(reply.read())
+    assert reply.status == 200 and body["not_ready"] == []
+    assert body["pools"] == {"prefill": "ready", "decode": "ready", "grammar": "ready", "vision": "ready"}

@@ -175,8 +175,11 @@ def test_every_container_probes_its_inbox_with_epd_health_and_mounts_the_keys():
     for deployment in by_kind(kube.base_files(topology), "Deployment").values():
         c, pod = container(deployment), deployment["spec"]["template"]["spec"]
         port = next(p["containerPort"] for p in c["ports"] if p["name"] == "zmq")
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        serves_http = any(p["name"] == "http" for p in c["ports"])   # the gateway: readiness is its /ready
+        for probe in ("startupProbe", "livenessProbe") + (() if serves_http else ("readinessProbe",)):
             assert c[probe]["exec"]["command"] == ["epd", "health", "--address", f"tcp://127.0.0.1:{port}"]
+        if serves_http:
+            assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
         assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 42.0   # ready_timeout_s
         assert {"name": "keys", "mountPath": KEYS_DIR, "readOnly": True} in c["volumeMounts"]
         assert {"name": "keys", "secret": {"secretName": KEYS_SECRET, "defaultMode": 0o440}} in pod["volumes"]
