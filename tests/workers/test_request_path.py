@@ -146,7 +146,7 @@ async def test_a_client_abort_reaches_the_decode_worker_without_passing_through_
     s = path
     port = free_port_base(1, offset=0)
     gateway = await s.start(GatewayService, "gateway", {"http_bind": f"127.0.0.1:{port}", "model_dir": str(tiny_model_dir),
-                                                        "dtype": "float32", "context_length": 4096},
+                                                        "context_length": 4096},
                             upstream=s.router.config.advertise)
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 3000,
             "stream": True, "thinking": {"type": "disabled"}}
