@@ -11,6 +11,10 @@ A worker that a hand-off found dead (the prefill worker answered PEER_DEAD) is s
 table shows a heartbeat it sent after that: the decode router needs up to dead_after_s to drop it,
 and a resumed request must not be sent to the same dead worker again meanwhile.
 
+A decode worker whose model identity differs from the prefill pool's (`model_id`, from the prefill
+workers' registrations) is no candidate: a hand-off between two models would be refused, and its
+blocks' hashes would mean another model. `mismatched` names them, for the shell to log.
+
 No worker with room (all at capacity, none alive, or no table for `stale_after_s`: the decode
 router is gone, so its view may hold dead workers): `reserve` returns None and the request waits
 in the prefill router's queue, bounded and with a deadline, instead of being refused.
@@ -44,13 +48,17 @@ class DecodeSlots:
         self._table_at: float | None = None
         self._held: dict[str, Reservation] = {}      # request id -> its reservation
         self._suspect: dict[str, float] = {}         # instance -> when a hand-off found it dead
+        self.mismatched: list[str] = []              # decode workers serving another model than model_id
 
-    def update(self, table: DecodeTable, now: float | None = None) -> None:
-        """A fresh table: the workers' loads, and which reservations their reports now include."""
+    def update(self, table: DecodeTable, now: float | None = None, model_id: str = "") -> None:
+        """A fresh table: the workers' loads, and which reservations their reports now include.
+        `model_id`: the prefill pool's identity ("" = not known yet: every worker is a candidate)."""
         now = self.clock() if now is None else now
         self.policy = DecodePolicy(table.alpha, table.beta)
+        self.mismatched = [w.instance for w in table.workers if model_id and w.model_id and w.model_id != model_id]
         self._candidates = [DecodeCandidate(w.instance, w.address, w.load,
-                                            w.alive and w.state == ServiceState.RUNNING) for w in table.workers]
+                                            w.alive and w.state == ServiceState.RUNNING) for w in table.workers
+                            if w.instance not in self.mismatched]
         self._reported_at = {w.instance: now - w.last_heartbeat_age_s for w in table.workers}
         self._table_at = now
         for rid in [rid for rid, r in self._held.items() if self._visible(r)]:

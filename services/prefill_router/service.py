@@ -75,6 +75,7 @@ class PrefillRouterService(Service):
         self.store = None   # kvstore StoreReader on kv_store_dir, opened in on_start
         self._loops: list[asyncio.Task] = []
         self._table_failing = False
+        self._mismatched: list[str] = []   # decode workers last logged as serving another model
         super().__init__(config)
         declare_metrics(self.metrics, self.core)
 
@@ -288,7 +289,14 @@ class PrefillRouterService(Service):
         while True:
             try:
                 reply = await self.call(s.decode_router, DecodeTableQuery(), timeout=s.decode_table_stale_s)
-                self.decode.update(reply.message)
+                pool = self.members.model_id(s.worker_kind)
+                self.decode.update(reply.message, model_id=pool)
+                if self.decode.mismatched != self._mismatched:   # logged when the set changes, not every interval
+                    self._mismatched = list(self.decode.mismatched)
+                    if self._mismatched:
+                        self.log.error("decode_pool.model_mismatch", workers=self._mismatched, model_id=pool,
+                                       error="these decode workers serve another model than the prefill "
+                                             "workers: no request is handed to them")
                 if self._table_failing:
                     self._table_failing = False
                     self.log.info("decode_table.restored", workers=self.decode.workers())

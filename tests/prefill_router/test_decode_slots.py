@@ -3,6 +3,7 @@ reservation counts on its worker until a heartbeat sent after its hand-off is in
 until it is released; a stale table, or no worker with room, gives None (the request waits)."""
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from messages.control import Load, PeerStatus, ServiceState
@@ -186,3 +187,14 @@ def test_a_worker_the_gateway_saw_die_is_skipped_by_its_address(slots, clock):
     slots.suspect_address("tcp://nowhere:1")   # not in the table: nothing to skip
     slots.release("r1")
     assert slots.reserve("r2").instance == "b"
+
+
+def test_decode_workers_of_another_model_than_the_prefill_pool_are_no_candidates(slots):
+    plain, released = "tiny-float32-01", "tiny-float32+released-01"
+    workers = [msgspec.structs.replace(peer("a", batch=0), model_id=released),   # the least loaded, but
+               msgspec.structs.replace(peer("b", batch=3), model_id=plain)]      # only b serves the pool's model
+    slots.update(table(*workers), model_id=plain)
+    assert slots.mismatched == ["a"] and slots.workers() == 1
+    assert slots.reserve("r1").instance == "b"
+    slots.update(table(*workers))   # the prefill pool's identity not known yet: nothing to compare with
+    assert slots.mismatched == [] and slots.workers() == 2

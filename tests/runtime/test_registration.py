@@ -38,6 +38,8 @@ def test_a_second_identity_in_a_pool_is_refused_and_other_pools_and_modelless_pe
     table.register("decode-0", "decode_worker", "tcp://a:3", "", 0.0, RELEASED)   # another pool, its own identity
     table.register("gateway-0", "gateway", "tcp://a:4", "", 0.0)                 # serves no model: never refused
     assert table.model_id("decode_worker") == RELEASED and table.model_id("gateway") == ""
+    assert {p.instance: p.model_id for p in table.status(0.0)} == {   # the decode router's table carries it
+        "prefill-0": PLAIN, "decode-0": RELEASED, "gateway-0": ""}
 
 
 def test_a_restarted_instance_or_an_emptied_pool_may_change_identity():
