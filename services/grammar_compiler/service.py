@@ -10,7 +10,7 @@ Compiles run in child processes with a hard timeout (pool.py); answers are cache
 failures for error_ttl_s, and concurrent requests for one key share one compile (cache.py). The key
 is always recomputed here, so a client cannot file an artifact under another constraint's key.
 Replicas are interchangeable (any one compiles any constraint); each registers with its `upstream`
-when one is configured.
+when one is configured, every replica of it (each gateway replica: ServiceConfig.upstream_replicas).
 
 Settings (ServiceConfig.settings): model_dir (its tokenizer.json is the tokenizer), processes,
 compile_timeout_s, cache_bytes, error_ttl_s, max_queue.

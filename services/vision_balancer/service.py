@@ -6,8 +6,8 @@ fewest queued patches by the leader's own count (policy.py, core.py), the images
 forwarded as one job. Workers report VisionDone when a job ends. A worker that dies or refuses a
 job (draining, full) has its unfinished jobs placed on the others; with none left the images are
 answered VisionFailed, so no request waits for rows that will never come. VisionCancel is passed
-to the workers holding the request. The leader registers with its upstream (the gateway), which
-lists the live leaders in every request with images.
+to the workers holding the request. The leader registers with its upstream (the gateway), every
+replica of it, and each gateway lists the live leaders in every request with images.
 
 Settings (ServiceConfig.settings): policy ("patches" | "round_robin" | "random"), seed, max_jobs.
 """
