@@ -27,8 +27,13 @@ def save_png(fig, path: str | Path) -> Path:
     return path
 
 
-def draw_series(ax, series: dict[str, list[tuple[float, float]]], styles: dict[str, str] | None = None) -> None:
-    """One line per named series of (x, y) points; empty series are left out."""
+def draw_series(ax, series: dict[str, list[tuple[float, float]]], styles: dict[str, str] | None = None,
+                integer_x: bool = False) -> None:
+    """One line per named series of (x, y) points; empty series are left out. `integer_x`: ticks only
+    at whole numbers (rounds, streams)."""
+    if integer_x:
+        from matplotlib.ticker import MaxNLocator
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for label, points in series.items():
         if points:
             xs, ys = zip(*points)

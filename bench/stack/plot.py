@@ -45,13 +45,13 @@ def draw(results: list[dict]):
         draw_series(left, ttft, STYLES)
         left.set(xlabel="prompt tokens", ylabel="TTFT ms",
                  title=f"TTFT per request, {first['streams']} concurrent streams")
-        draw_series(right, rate)
+        draw_series(right, rate, integer_x=True)
         right.set(xlabel="round", ylabel="output tokens/s", title="tokens/s per round")
     else:
         ttft, rate = concurrency_series(results)
-        draw_series(left, ttft, {k: "o-" if k.endswith("p50") else "s--" for k in ttft})
+        draw_series(left, ttft, {k: "o-" if k.endswith("p50") else "s--" for k in ttft}, integer_x=True)
         left.set(xlabel="concurrent streams", ylabel="TTFT ms", title="TTFT under load")
-        draw_series(right, rate)
+        draw_series(right, rate, integer_x=True)
         right.set(xlabel="concurrent streams", ylabel="output tokens/s", title="tokens/s under load")
     return fig
 
