@@ -25,7 +25,8 @@ EXPERT_FORMATS = ("bf16", "fp8", "mxfp4")
 LINEAR_FORMATS = ("bf16", "fp8")
 
 def pack_model_(model: ModelSpec, experts: str = "mxfp4", linears: str = "fp8") -> dict:
-    """Pack `model` (DeepseekV4ForCausalLM or DeepseekV41) in place; returns what was packed."""
+    """Pack `model` (either family: its config names the block and the linears kept plain) in place;
+    returns what was packed."""
     block, done = _block(model, experts, linears), _summary(model, experts, linears)
     for module in _expert_modules(model, experts):
         module.pack_(experts, block)
