@@ -67,7 +67,8 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_v41_does_not_import_v4():
     bad = sorted(f"{path.relative_to(REPO)}: {name}" for path in _python_files(ENGINE / "models" / "v41")
-                 for name in imported_modules(path) if name == "engine.models.v4" or name.startswith("engine.models.v4."))
+                 for name in imported_modules(path)
+                 if name == "engine.models.v4" or name.startswith("engine.models.v4."))
     assert bad == [], "share through engine.models.common instead:\n" + "\n".join(bad)
 
 
