@@ -96,8 +96,6 @@ class StatusReply(Message):
     upstream: str = ""
     upstream_connected: bool = False
     incarnation: str = ""   # random per process: a restart at the same address answers with another
-    depends_on: list[str] = []   # addresses of services it needs besides its members (a prefill router: its
-                                 # decode router): a gateway's /ready asks them too
     model_id: str = ""      # as Registered.model_id
     depends_on: list[str] = []   # addresses of services it needs besides its members (a prefill router: its
                                  # decode router): a gateway's /ready asks them too

@@ -52,16 +52,12 @@ class GatewaySettings:
     image_allow_networks: tuple[str, ...] = ()   # CIDRs fetched although not public (an internal image store)
     aides: tuple[str, ...] = ()           # kinds the topology runs for this gateway (grammar_compiler,
                                           # vision_balancer): /ready waits for each (readiness.py)
-    aides: tuple[str, ...] = ()           # kinds the topology runs for this gateway (grammar_compiler,
-                                          # vision_balancer): /ready waits for each (readiness.py)
 
     def __post_init__(self) -> None:
         if self.encoding not in ("", "v4", "v4.1"):
             raise ValueError(f"encoding must be '', 'v4' or 'v4.1', got {self.encoding!r}")
         if self.max_concurrent_requests < 1 or self.tokenize_threads < 1:
             raise ValueError("max_concurrent_requests and tokenize_threads must be >= 1")
-        if not set(self.aides) <= {"grammar_compiler", "vision_balancer"}:
-            raise ValueError(f"aides may name grammar_compiler and vision_balancer, got {list(self.aides)}")
         if not set(self.aides) <= {"grammar_compiler", "vision_balancer"}:
             raise ValueError(f"aides may name grammar_compiler and vision_balancer, got {list(self.aides)}")
         if self.max_resumes < 0 or self.resume_timeout_s <= 0:
