@@ -25,3 +25,14 @@ def tiny_v41_model_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("models41") / V41_MODEL_NAME
     write_random_v41_model_dir("tiny-v41", out, seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def default_stack(tmp_path_factory, tiny_v41_model_dir):
+    """The default topology (E/P/D) as real processes on the default model, started once per session
+    (a start costs tens of seconds on a 2-core machine) and shared by the tests that only send it
+    requests (tests/gateway, tests/workers). A test that kills or reshapes a stack starts its own."""
+    from tests.helpers.test_helper_stack import down_stack, up_stack
+    stack = up_stack(tmp_path_factory.mktemp("default_stack"), "default", tiny_v41_model_dir)
+    yield stack
+    down_stack(stack)

@@ -9,7 +9,6 @@ import pytest
 from engine.models.v41.tokenizer_file import write_v41_tokenizer
 from messages.common import FinishReason
 from services.gateway.adapter import Adapter, AdapterConfig, Protocol, ServedModel
-from tests.helpers.test_helper_stack import down_stack, up_stack
 
 MODEL = "deepseek-v4-tiny"
 SMALL_MODEL = "deepseek-v4-small-context"
@@ -110,9 +109,7 @@ def accumulate_all(prepared, chunks: list[list[int]], finish=FinishReason.STOP, 
 
 
 # ---- a running stack (the default E/P/D topology as real processes), shared by this folder's tests ----
-@pytest.fixture(scope="package")
-def stack(tmp_path_factory, tiny_v41_model_dir):
-    """The SDK suite runs against the default stack and its default model, V4.1."""
-    stack = up_stack(tmp_path_factory.mktemp("stack"), "default", tiny_v41_model_dir)
-    yield stack
-    down_stack(stack)
+@pytest.fixture(scope="session")
+def stack(default_stack):
+    """The SDK suite runs against the default stack and its default model, V4.1 (tests/conftest.py)."""
+    return default_stack

@@ -13,7 +13,7 @@ from ops.control_client import query_status
 
 pytestmark = pytest.mark.slow   # starts service processes
 
-MODEL = "deepseek-v4-tiny"
+MODEL = "deepseek-v41-tiny"   # the default model (tests/workers/conftest.py)
 NO_THINKING = {"thinking": {"type": "disabled"}}
 LONG = " ".join(f"Fact {i}: the {i}th lighthouse keeper kept a log of ships." for i in range(40))
 
