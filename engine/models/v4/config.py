@@ -40,6 +40,8 @@ class RopeSpec:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
+    """Satisfies `engine.models.spec.ModelConfigSpec` (the questions below the fields)."""
+
     vocab_size: int
     hidden_size: int
     num_layers: int

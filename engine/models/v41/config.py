@@ -101,6 +101,8 @@ _VISION_KEYS = (
 
 @dataclass(frozen=True, slots=True)
 class V41Config:
+    """Satisfies `engine.models.spec.ModelConfigSpec` (the questions below the fields)."""
+
     vocab_size: int
     hidden_size: int
     num_layers: int

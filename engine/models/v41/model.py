@@ -75,7 +75,7 @@ class Block(nn.Module):
 
 
 class DeepseekV41(nn.Module):
-    """`engram_hash`: the n-gram hasher of the model's tokenizer; a model with Engram layers needs
+    """Satisfies `engine.models.spec.ModelSpec`. `engram_hash`: the n-gram hasher of the model's tokenizer; a model with Engram layers needs
     it to run (it is built from the tokenizer, not the checkpoint)."""
 
     def __init__(self, config: V41Config, engram_hash: NgramHasher | None = None):
