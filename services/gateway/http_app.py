@@ -28,6 +28,7 @@ from messages.common import FinishReason, TrafficClass
 from messages.control import ServiceState
 from messages.generate import GenerateChunk, GenerateRequest
 from services.gateway.adapter import GatewayError, Protocol, traffic
+from services.gateway.identity import model_unknown
 from services.gateway.image_calls import resolve_images, send_generate, vision_groups
 from services.gateway.grammar_calls import compile_failure, compile_message, no_compiler, pick_compiler
 from services.gateway import readiness
@@ -181,6 +182,9 @@ class GatewayHttp:
         if prepared.grammar is not None and not compiler:
             call.log.info("request.rejected", status=503, error="no grammar compiler")
             return _error_response(protocol, no_compiler())
+        if (unknown := model_unknown(svc, prepared.prompt_ids)) is not None:   # no worker registered yet
+            call.log.info("request.rejected", status=503, error="model identity unknown")
+            return _error_response(protocol, unknown)
         call.prepared, call.tracked = prepared, svc.open_request(call.request_id, call.span)
         call.response = prepared.open_response()
         call.first_request = prepared.generate_request(

@@ -7,11 +7,10 @@ unified worker its own; services/runtime/upstream.py keeps the last one named.
 
 A prompt shorter than one block has no hash, so it needs no identity. A longer one is hashed while
 it is prepared; when no identity is known then, the gateway asks the upstream once (StatusQuery), so
-a request sent just after the first worker registered does not wait for the next heartbeat. A
-request that still has no hashes when it is sent gets them then, or, with no identity known (no
-worker registered), is refused with a retryable OVERLOADED error, answered as any upstream that
-cannot take a request (429 `overloaded` for the OpenAI APIs, 529 for Anthropic's): never a hash
-chain no worker computes.
+a request sent just after the first worker registered does not wait for the next heartbeat. With
+no identity known still (no worker registered), the request is refused with a retryable 503
+`model_unknown` (Anthropic's 529 overloaded_error): never a hash chain no worker computes. A
+request sent without hashes (a resumed attempt) gets them at send time, or an OVERLOADED error.
 """
 from __future__ import annotations
 
@@ -25,10 +24,18 @@ from messages.control import StatusQuery
 from messages.errors import Overloaded
 from messages.generate import GenerateRequest
 from messages.prefix import BLOCK_TOKENS, block_hashes
+from services.gateway.adapter.errors import OVERLOADED, GatewayError
 
 QUERY_TIMEOUT_S = 2.0
 UNKNOWN = ("no worker has registered yet, so the model identity the prompt's block hashes carry is unknown; "
            "retry shortly")
+
+
+def model_unknown(service, token_ids: Sequence[int]) -> GatewayError | None:
+    """The 503 for a prompt of a block or more while no identity is known; None when it may go on."""
+    if len(token_ids) < BLOCK_TOKENS or service.model_id:
+        return None
+    return GatewayError(503, OVERLOADED, UNKNOWN, code="model_unknown")
 
 
 async def ask_upstream(service) -> str:

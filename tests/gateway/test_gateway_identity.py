@@ -1,7 +1,7 @@
 """The gateway's block hashes carry the model identity the workers announced, learned through its
 upstream and never configured: a worker serving released weights (`+released` in its identity) gets
 prompts hashed under that identity. Before any worker registered, a prompt of a block or more is
-refused with a retryable overload (429 `overloaded`; Anthropic's 529) and nothing goes upstream."""
+refused with a retryable 503 `model_unknown` (Anthropic's 529) and nothing goes upstream."""
 from __future__ import annotations
 
 import aiohttp
@@ -49,7 +49,7 @@ async def test_before_any_worker_registered_a_long_prompt_is_a_retryable_overloa
     services, router, gateway, http = stack
     async with http.post("/v1/chat/completions", json=CHAT) as r:
         body = await r.json()
-        assert r.status == 429 and r.headers["Retry-After"].isdigit() and body["error"]["code"] == "overloaded"
+        assert r.status == 503 and r.headers["Retry-After"].isdigit() and body["error"]["code"] == "model_unknown"
         assert "no worker has registered yet" in body["error"]["message"]
     async with http.post("/v1/messages", json=MESSAGES) as r:
         assert r.status == 529 and (await r.json())["error"]["type"] == "overloaded_error"
