@@ -102,6 +102,7 @@ def current(stack: dict, name: str) -> dict:
     return next(svc for svc in state["services"] if svc["instance"] == name)
 
 
+@pytest.mark.timeout(420)   # a stack start, a worker restart (a model load) and two requests on 2 cores
 def test_a_released_weights_stack_keeps_prefix_hits_through_the_store_after_a_prefill_restart(stack,
                                                                                               tiny_v41_model_dir):
     client = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0, timeout=300)
