@@ -36,9 +36,10 @@ def concurrency_series(results: list[dict]) -> tuple[dict, dict]:
 def draw(results: list[dict]):
     """The figure of one or several results."""
     first = results[0]
+    dates = sorted({r["date"] for r in results if "date" in r})
     title = (f"epd bench stack: topology {first['topology']}, prompts {first['prompt_tokens_range'][0]}-"
              f"{first['prompt_tokens_range'][1]} tokens, {first['max_tokens']} out"
-             + (f", {first['date']}" if "date" in first else ""))
+             + (f", {dates[0]}" if len(dates) == 1 else f", {dates[0]} to {dates[-1]}" if dates else ""))
     fig, (left, right) = figure(2, title)
     if len(results) == 1:
         ttft, rate = request_series(first)
