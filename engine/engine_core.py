@@ -162,7 +162,7 @@ class EngineCore:
                           config.enable_prefix_cache, config.swa_cache_bytes, BLOCK_TOKENS, config.bounded_replay,
                           config.replay_trim)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_batched_tokens, self.max_len,
-                                   model_config.eos_token_id, config.batch_invariant)
+                                   model_config.eos_token_ids, config.batch_invariant)
         self.runner = ModelRunner(self.model, self.kv, config.batch_invariant)
         self.requests: dict[str, Sequence] = {}
         self._finished_hashes: OrderedDict[str, list[bytes]] = OrderedDict()  # for completed_blocks

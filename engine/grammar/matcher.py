@@ -17,7 +17,7 @@ from pathlib import Path
 
 from messages.grammar import tokenizer_id  # noqa: F401 - one rule for the gateway, compiler and engine
 
-_TOKENIZERS: dict[tuple[str, int, int], object] = {}
+_TOKENIZERS: dict[tuple[str, int, tuple[int, ...]], object] = {}
 _TOKENIZERS_LOCK = threading.Lock()
 
 
@@ -36,17 +36,22 @@ def build_matcher(tokenizer, grammar: str):
     return matcher
 
 
-def load_grammar_tokenizer(tokenizer_json_path: str | Path, vocab_size: int, eos_id: int):
+def load_grammar_tokenizer(tokenizer_json_path: str | Path, vocab_size: int, eos_id: int | Sequence[int]):
     """The llguidance.LLTokenizer for a tokenizer.json, with the model's vocabulary size (the logits'
-    width, which may exceed the tokenizer's) and EOS. Building one takes about a second, so each
-    (path, vocab_size, eos_id) is built once per process."""
-    key = (str(Path(tokenizer_json_path).resolve()), int(vocab_size), int(eos_id))
+    width, which may exceed the tokenizer's) and EOS: one id, or every id that ends generation (a
+    finished grammar then allows, and stops on, any of them). Building one takes about a second, so
+    each (path, vocab_size, eos ids) is built once per process."""
+    eos_ids = (int(eos_id),) if isinstance(eos_id, int) else tuple(int(i) for i in eos_id)
+    if not eos_ids:
+        raise ValueError("a grammar tokenizer needs at least one EOS id")
+    key = (str(Path(tokenizer_json_path).resolve()), int(vocab_size), eos_ids)
     with _TOKENIZERS_LOCK:
         tokenizer = _TOKENIZERS.get(key)
         if tokenizer is None:
             from llguidance import LLTokenizer
             text = Path(tokenizer_json_path).read_text(encoding="utf-8")
-            tokenizer = _TOKENIZERS[key] = LLTokenizer(text, n_vocab=key[1], eos_token=key[2])
+            eos = list(eos_ids) if len(eos_ids) > 1 else eos_ids[0]
+            tokenizer = _TOKENIZERS[key] = LLTokenizer(text, n_vocab=key[1], eos_token=eos)
         return tokenizer
 
 

@@ -64,7 +64,8 @@ class ModelConfigSpec(CacheSpec, Protocol):
     hidden_size: int
     max_position_embeddings: int
     bos_token_id: int | None
-    eos_token_id: int | None
+    eos_token_id: int | None  # the primary end-of-sequence id, for APIs that take one (a grammar's EOS)
+    eos_token_ids: tuple[int, ...]  # every id that ends generation, eos_token_id first
     dtype: str  # the checkpoint's dtype name, the default of the engine's
 
     @property

@@ -19,6 +19,7 @@ end on the 128-token grid (a chunk waits for a step with room rather than being 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 
 from engine.kv.manager import KVCache
 from engine.scheduler.sequence import Sequence, SequenceStatus
@@ -30,10 +31,11 @@ INVARIANT_CHUNK = BLOCK_TOKENS   # batch-invariant prefill chunks end on the blo
 
 class Scheduler:
     def __init__(self, kv: KVCache, max_num_seqs: int, max_batched_tokens: int, max_len: int,
-                 eos_token_id: int | None, batch_invariant: bool = False):
+                 eos_token_ids: Collection[int], batch_invariant: bool = False):
         self.kv = kv
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
-        self.max_len, self.eos_token_id = max_len, eos_token_id
+        self.max_len = max_len
+        self.eos_token_ids = frozenset(eos_token_ids)  # any of them finishes a request (unless ignore_eos)
         self.batch_invariant = batch_invariant
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -152,7 +154,7 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.sampling
-        if token_id == self.eos_token_id and not params.ignore_eos:
+        if token_id in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
         if token_id in params.stop_token_ids:
             return FinishReason.STOP

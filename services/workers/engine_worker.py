@@ -85,7 +85,7 @@ class EngineWorker(Service):
         self.max_num_seqs = engine_config.max_num_seqs
         self.bounded_replay = engine.kv.replay   # V4.1: pages without a window state still make a hit
         self.start_loop(self.persister.run())
-        self.grammars.open(engine_config.model_dir, engine.model.config.vocab_size, engine.model.config.eos_token_id)
+        self.grammars.open(engine_config.model_dir, engine.model.config.vocab_size, engine.model.config.eos_token_ids)
         self.log.info("engine.loaded", model_dir=engine_config.model_dir, model_id=engine.model_id,
                       load_s=round(time.monotonic() - started, 3), pages=self.engine_stats.pages_total,
                       kv_writer=self.settings.kv_writer or None, swa_registry=self.settings.swa_registry or None)

@@ -31,15 +31,16 @@ class GrammarSource:
         self._tokenizer: asyncio.Future | None = None
         self._templates: OrderedDict[str, object] = OrderedDict()   # constraint key -> pristine matcher
 
-    def open(self, model_dir: str, vocab_size: int, eos_id: int) -> None:
-        """Start building the matcher tokenizer in the background (about 1 s for the 129k vocabulary)."""
+    def open(self, model_dir: str, vocab_size: int, eos_ids: int | tuple[int, ...]) -> None:
+        """Start building the matcher tokenizer in the background (about 1 s for the 129k vocabulary);
+        `eos_ids`: every id that ends generation, so a finished grammar stops on any of them."""
         from engine.grammar import load_grammar_tokenizer
         path = Path(model_dir) / "tokenizer.json"
         if not path.exists():
             return
         self.tokenizer_id = tokenizer_id(str(path))
         self._tokenizer = asyncio.get_running_loop().run_in_executor(
-            None, load_grammar_tokenizer, str(path), vocab_size, eos_id)
+            None, load_grammar_tokenizer, str(path), vocab_size, eos_ids)
 
     async def fetch(self, ref: GrammarRef, request_id: str, span) -> str:
         """The artifact for `ref` from its compiler; InvalidRequest (or the compiler's own error) when

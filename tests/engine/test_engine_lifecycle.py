@@ -25,7 +25,8 @@ def assert_all_pages_returned(engine):
 def test_eos_stops_unless_ignored_and_stop_tokens_stop(make_engine, greedy_alone):
     expected = greedy_alone(129)
     engine = make_engine()
-    engine.scheduler.eos_token_id = eos = expected[10]  # pretend this model's EOS is a token it produces
+    eos = expected[10]
+    engine.scheduler.eos_token_ids = frozenset({eos})  # pretend this model's EOS is a token it produces
     at = expected.index(eos)
     engine.add_request(request("eos", 129, greedy_params(ignore_eos=False)))
     engine.add_request(request("ignored", 129, greedy_params(ignore_eos=True)))

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.models.common.config_file import read_config_dict
+from engine.models.common.token_ids import parse_eos_ids, settle_eos_ids
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -76,8 +77,10 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
     dtype: str = "bfloat16"
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends generation, eos_token_id first; () from eos_token_id
 
     def __post_init__(self):
+        settle_eos_ids(self)
         for name, types, allowed in (
             ("layer_types", self.layer_types, (SLIDING, CSA, HCA)),
             ("mlp_layer_types", self.mlp_layer_types, (HASH_MOE, MOE)),
@@ -191,6 +194,7 @@ def _parse(raw: dict) -> ModelConfig:
     raw.update({key: value for key, value in _REFERENCE_SIZES.items() if raw.get(key) is None})
     num_layers = int(raw["num_hidden_layers"])
     head_dim = int(raw["head_dim"])
+    eos_ids = parse_eos_ids(raw.get("eos_token_id", 1))
     compress_rates = dict(raw.get("compress_rates") or _DEFAULT_COMPRESS_RATES)
     if raw.get("compress_rate_csa") is not None:
         compress_rates[CSA] = int(raw["compress_rate_csa"])
@@ -235,13 +239,10 @@ def _parse(raw: dict) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings", 1048576)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id", 0),
-        eos_token_id=_first(raw.get("eos_token_id", 1)),
+        eos_token_id=eos_ids[0] if eos_ids else None,
+        eos_token_ids=eos_ids,
         dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
     )
-
-
-def _first(value):
-    return value[0] if isinstance(value, list) and value else value
 
 
 def _layer_types(raw: dict, num_layers: int) -> tuple[str, ...]:

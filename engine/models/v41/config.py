@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.models.common.config_file import read_config_dict
+from engine.models.common.token_ids import parse_eos_ids, settle_eos_ids
 from messages.images import VisionSizing
 
 MODEL_TYPE = "deepseek_v41"
@@ -155,8 +156,10 @@ class V41Config:
     dtype: str = "bfloat16"
     # built in code: no vision tower unless given one (a parsed config.json follows NeMo, see `_parse`)
     vision: V41VisionConfig = field(default_factory=lambda: V41VisionConfig(num_layers=0))
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends generation, eos_token_id first; () from eos_token_id
 
     def __post_init__(self):
+        settle_eos_ids(self)
         n = self.num_layers
         if len(self.compress_ratios) != n:
             raise ValueError(f"compress_ratios covers {len(self.compress_ratios)} layers, need {n}")
@@ -324,10 +327,14 @@ def _parse(raw: dict) -> V41Config:
         if key in text and key not in fields:
             fields[key] = cast(text[key])
     fields.setdefault("candidate_source_layer_id", 20 if n > 20 else -1)
-    for key in ("image_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
+    for key in ("image_token_id", "bos_token_id", "pad_token_id"):
         value = raw.get(key, text.get(key))
         if value is not None:
             fields[key] = _first(value)
+    eos = raw.get("eos_token_id", text.get("eos_token_id"))
+    if eos is not None:
+        fields["eos_token_ids"] = parse_eos_ids(eos)
+        fields["eos_token_id"] = fields["eos_token_ids"][0]
     # the text model's dtype, as the reference builds it (a top-level dtype alone does not set it)
     fields["dtype"] = str(text.get("dtype") or text.get("torch_dtype") or "bfloat16").removeprefix("torch.")
     fields["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings") or text.get("tie_word_embeddings"))

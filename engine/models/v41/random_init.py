@@ -104,6 +104,7 @@ def released_config(raw: dict, config: V41Config) -> dict:
     text = {k: v for k, v in (raw.get("text_config") or raw).items()
             if k not in ("text_config", "vision_config", "quantization_config", "torch_dtype")}
     c = config
+    eos = list(c.eos_token_ids) if len(c.eos_token_ids) > 1 else c.eos_token_id  # a list, as HF writes several
     text.update(
         model_type="deepseek_v41_text", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=1,
@@ -126,7 +127,7 @@ def released_config(raw: dict, config: V41Config) -> dict:
         engram_head_dim=c.engram_head_dim, engram_pad_token_id=c.engram_pad_token_id,
         engram_compressed_vocab_size=c.engram_compressed_vocab_size, num_nextn_predict_layers=0,
         tie_word_embeddings=False, dtype="bfloat16",
-        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
+        bos_token_id=c.bos_token_id, eos_token_id=eos, pad_token_id=c.pad_token_id,
     )
     vision = {**(raw.get("vision_config") or {}), **c.vision.to_dict()}
     return {
@@ -136,7 +137,7 @@ def released_config(raw: dict, config: V41Config) -> dict:
         "vision_config": vision,
         "image_token_id": c.image_token_id,
         "bos_token_id": c.bos_token_id,
-        "eos_token_id": c.eos_token_id,
+        "eos_token_id": eos,
         "pad_token_id": c.pad_token_id,
         "tie_word_embeddings": False,
         "dtype": "bfloat16",
