@@ -5,8 +5,8 @@ prefill chunks), runs one forward, samples, and returns the outputs of the reque
 token or finished. Between steps callers may add, abort, snapshot, restore, export blocks.
 
 E/P/D roles on top of that:
-- prefill worker: `import_prefix` (pages from the KV store + the window/tails at the hit boundary
-  from the SWA registry holder), `add_request(..., prefill_only=True)`: the first token comes out
+- prefill worker: `admit` = `import_prefix` (pages from the KV store + the window/tails at the hit
+  boundary from the SWA registry holder) + `add_request(..., prefill_only=True)`: the first token comes out
   with `prefilled=True` and the request is held until `snapshot` + `release`.
 - decode worker: `restore` (snapshot + the first token as generated_ids) continues the request;
   its full blocks enter the prefix cache; `export_boundary_state` serves saved windows to peers.
@@ -15,12 +15,13 @@ E/P/D roles on top of that:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.admission import Admitted, PrefixImport, admit
 from engine.kv.manager import KVCache
 from engine.kv.snapshot import make_boundary_snapshot, make_snapshot, parse_boundary_snapshot, parse_snapshot
 from engine.loading import check_built_model, load_model
@@ -177,6 +178,11 @@ class EngineCore:
         seq.prefill_only = bool(prefill_only)
         self.scheduler.add(seq)
         self.requests[seq.request_id] = seq
+
+    def admit(self, request: EngineRequest, prefix: PrefixImport | None = None, prefill_only: bool = False,
+              ready: Callable[[int], bool] | None = None) -> Admitted:
+        """`import_prefix` then `add_request` in one call (a cache hit's admission: admission.py)."""
+        return admit(self, request, prefix, prefill_only, ready)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request (held ones too) and free its pages; False if it is not (or no longer) here."""

@@ -43,6 +43,9 @@ class GenerateChunk(Message):
     worker: str = ""                       # address of the worker streaming the request (its first chunk):
                                            # the gateway aborts there and watches it for death
     worker_incarnation: str = ""           # that worker process's id: a restart at the same address differs
+    first_index: int = -1                  # index in the attempt's output of token_ids[0] (-1 = not numbered):
+                                           # the gateway drops tokens it has and fails on a gap, so a token two
+                                           # workers send (the prefill's first, again from the decode) shows once
 
 
 @register(0x0203)

@@ -1,6 +1,10 @@
 """The gateway's open requests: what each HTTP handler waits on, the worker that streams it, and
 the chunk counts of its one `request.summary` line. No sockets.
 
+A token can come twice: the prefill worker streams the first one at once and the decode worker
+sends it again with its address. Numbered chunks (GenerateChunk.first_index) make that exact: what
+the attempt already has is dropped, and a chunk that starts past it (a lost token) is an error.
+
 Chunks arrive one message each (a 64-token answer can be 64 messages); the runtime writes no
 summary per chunk (GatewayService.streamed_types), so their timings are folded in here instead:
 how many, when the first and last tokens came, and the gaps between chunks (p50 and max).
@@ -12,7 +16,14 @@ import statistics
 from array import array
 from dataclasses import dataclass, field
 
+import msgspec
+
+from messages.generate import GenerateChunk
 from services.runtime.tracing import SpanContext
+
+
+class StreamGap(Exception):
+    """A chunk starts past the tokens received: some never came."""
 
 
 class ChunkStats:
@@ -62,6 +73,7 @@ class OpenRequest:
     worker_incarnation: str = ""  # ... and which process it is (a restart there is another)
     token_ids: list[int] = field(default_factory=list)   # every token the client has received
     streamed_before: int = 0      # of those, the ones received before the current attempt began
+    received: int = 0             # output tokens of the current attempt taken in (queued or shown)
     stats: ChunkStats = field(default_factory=ChunkStats)
     dead_workers: list[str] = field(default_factory=list)   # workers that died streaming it (resumes avoid them)
 
@@ -71,6 +83,21 @@ class OpenRequest:
     def put(self, item) -> None:
         """An event of the current attempt (a watch's GatewayError, a lost upstream)."""
         self.queue.put_nowait((self.wire_id, item))
+
+    def take(self, chunk: GenerateChunk) -> GenerateChunk | None:
+        """What of the current attempt's `chunk` is new: its tokens (and logprobs) this attempt has
+        not received yet; None when nothing is (a repeat). StreamGap when it starts past them."""
+        first = chunk.first_index
+        if first > self.received:
+            raise StreamGap(f"output tokens {self.received}..{first - 1} never came (a chunk starts at {first})")
+        skip = self.received - first if first >= 0 else 0   # not numbered: in order, as it comes
+        if skip:
+            if skip >= len(chunk.token_ids) and not (chunk.finish_reason or chunk.error or chunk.usage):
+                return None
+            chunk = msgspec.structs.replace(chunk, token_ids=chunk.token_ids[skip:], logprobs=chunk.logprobs[skip:],
+                                            top_logprobs=chunk.top_logprobs[skip:], first_index=first + skip)
+        self.received += len(chunk.token_ids)
+        return chunk
 
 
 def streaming_workers(requests: dict[str, OpenRequest]) -> list[tuple[str, str]]:

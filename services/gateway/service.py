@@ -3,8 +3,9 @@
 It sends each GenerateRequest to its upstream (the prefill router in the E/P/D topology; the
 unified worker) and receives the request's GenerateChunk messages on its own inbox, addressed to
 it by `return_address`. The first chunk names the worker that streams the request: aborts go
-straight there, and the gateway watches that worker (worker_watch.py). A chunk for a request it no
-longer holds gets AbortRequest("abandoned") back at once, so no worker generates for nobody. It
+straight there, and the gateway watches that worker (worker_watch.py). The prefill worker's early
+first token names no worker; numbered chunks show each token once (OpenRequest.take). A chunk for a
+request it no longer holds gets AbortRequest("abandoned") back at once, so no worker generates for nobody. It
 registers with the upstream and heartbeats: the worker frees a dead gateway's requests; the
 gateway fails the requests still on their way to a worker when the upstream goes silent. The model
 identity its block hashes carry comes from the upstream's answers, never from a setting (identity.py).
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from messages import ErrorReply, WireError
 from messages.generate import AbortRequest, GenerateChunk
-from services.gateway.open_requests import OpenRequest
+from services.gateway.open_requests import OpenRequest, StreamGap
 from services.runtime.context import Context
 from services.runtime.service import Service
 from services.runtime.settings import parse_settings
@@ -154,7 +155,7 @@ class GatewayService(Service):
         from services.gateway.resume import wire_id
         self.pending.pop(request.wire_id, None)
         request.attempt += 1
-        request.streamed_before = len(request.token_ids)
+        request.streamed_before, request.received = len(request.token_ids), 0
         request.wire_id = wire_id(request.request_id, request.attempt)
         request.worker = request.worker_incarnation = ""
         self.pending[request.wire_id] = request
@@ -183,9 +184,18 @@ class GatewayService(Service):
                 except WireError as exc:
                     self.log.warning("abort.undeliverable", request_id=ctx.request_id, code=exc.code.name)
             return
-        request.stats.add(ctx.received_at, len(msg.token_ids))
         if msg.worker:
             request.worker, request.worker_incarnation = msg.worker, msg.worker_incarnation
+        try:
+            msg = request.take(msg)   # a token already here (the prefill's first, again) is dropped
+        except StreamGap as exc:
+            from services.gateway.adapter.errors import API_ERROR, GatewayError
+            self.log.warning("chunk.gap", request_id=ctx.request_id, sender=ctx.sender, error=str(exc))
+            request.put(GatewayError(502, API_ERROR, f"the stream lost tokens: {exc}", code="stream_gap"))
+            return
+        if msg is None:
+            return
+        request.stats.add(ctx.received_at, len(msg.token_ids))
         request.queue.put_nowait((ctx.request_id, msg))
 
     async def _on_error(self, msg: ErrorReply, ctx: Context) -> None:

@@ -8,7 +8,9 @@ StateHandoff (from a prefill worker, request id in the envelope; buffers as fram
 restores the request from the snapshot with the tokens already produced (normally the first one,
 `generated_ids`, with their logprobs when the request asked for them: one per token, or none; any
 other count is refused), those tokens go at once to the gateway that owns the request
-(`request.return_address`), and the worker answers StateAccepted. Streaming, aborts and dead
+(`request.return_address`), and the worker answers StateAccepted. The prefill worker has normally
+sent the first token already; this copy is numbered (GenerateChunk.first_index 0), so the gateway
+shows it once, and it names this worker as the one streaming the request. Streaming, aborts and dead
 gateways: StreamingWorker (streaming.py).
 
 Every completed 128-token block, prompt and generated, goes to the KV writer and the window states

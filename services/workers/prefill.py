@@ -11,8 +11,12 @@ PrefillWork (request id in the envelope) -> the reply on the same path, PrefillD
    the window at L1 gives L1, else the window at L1 - 128 gives L1 - 128, else what this engine
    holds. A store or holder that fails only shortens the hit: it never fails the request.
    A constrained request's grammar is fetched from its compiler meanwhile (grammar.py).
-2. engine.add_request(prefill_only=True): the first token comes out and the state is held.
-3. snapshot -> StateHandoff (buffers as frames, generated_ids = the first token, with its logprobs
+2. engine.admit(request, the prefix read, prefill_only=True): the import and the request in one
+   engine-thread call; the first token comes out and the state is held.
+3. the first token goes to the gateway (`return_address`) at once, numbered (first_index 0) and
+   naming no worker: the decode worker sends it again with its own address on its first chunk, so
+   the gateway shows it once and learns who streams the request from the decode worker.
+4. snapshot -> StateHandoff (buffers as frames, generated_ids = the first token, with its logprobs
    when asked) to `decode_address` with call(), awaiting StateAccepted (a decode worker that stops
    answering status probes meanwhile fails it as PEER_DEAD within ~dead_after_s) -> release ->
    PrefillDone(hit_tokens = prompt tokens the engine took from its prefix cache, computed_tokens =
@@ -119,8 +123,8 @@ class PrefillWorker(EngineWorker):
         images = self.images.images_of(request, ctx.envelope)   # their embeddings come meanwhile too
         encoding = self.images.start(rid, images, request.vision_groups, first_computed(msg.kv_hit_tokens), ctx.span)
         try:
-            usable = await self.prefix.load(request, msg.kv_hit_tokens, rid, ctx.span)
-            job.uncached_tokens = prompt_len - max(usable, 0)
+            plan = await self.prefix.plan(request, msg.kv_hit_tokens, rid, ctx.span)
+            job.uncached_tokens = prompt_len - plan.usable
             grammar_text, grammar = "", None
             if fetch is not None:
                 grammar_text = await fetch
@@ -128,19 +132,26 @@ class PrefillWorker(EngineWorker):
             image_rows = []
             if images:
                 image_rows = await encoding if encoding is not None else [None] * len(images)
-                image_rows = await self.images.more(rid, images, image_rows, request.vision_groups,
-                                                    first_computed(max(usable, 0)), ctx.span)
             if job.aborted:
                 raise Aborted(f"aborted: {job.aborted}", request_id=rid)
             job.future = asyncio.get_running_loop().create_future()
             engine_request = EngineRequest(rid, list(request.prompt_ids), request.sampling,
                                            request.arrival_time or time.time(), request.exact_prefix, grammar=grammar,
                                            images=list(request.images), image_embeds=image_rows)
-            try:
-                await self.engine(lambda engine: engine.add_request(engine_request, prefill_only=True))
-            except ValueError as exc:
-                raise InvalidRequest(str(exc), request_id=rid) from None
-            added = True
+            # images the hit was expected to cover but a shorter one leaves to compute: not added yet
+            ready = (lambda usable: all(rows is not None or image.end <= first_computed(usable)
+                                        for image, rows in zip(images, image_rows))) if images else None
+            admitted = await self._admit(engine_request, plan.prefix, ready)
+            added = admitted.added
+            usable = self.prefix.report(plan, admitted, rid)
+            job.uncached_tokens = prompt_len - usable
+            if not added:
+                engine_request.image_embeds = await self.images.more(rid, images, image_rows, request.vision_groups,
+                                                                     first_computed(usable), ctx.span)
+                if job.aborted:
+                    raise Aborted(f"aborted: {job.aborted}", request_id=rid)
+                await self._admit(engine_request, None, None)
+                added = True
             out, taken = await job.future
             job.prefilled = True
             prefilled_at = time.time()
@@ -148,6 +159,7 @@ class PrefillWorker(EngineWorker):
                 added = False
                 self.send(request.return_address, self._last_chunk(out), request_id=rid, span=ctx.span)
             else:
+                self._send_first_token(request.return_address, rid, ctx.span, out)
                 job.handing_off = True
                 await self._hand_off(msg, rid, ctx.span, out, taken, grammar_text, image_rows)
                 added = False
@@ -172,10 +184,24 @@ class PrefillWorker(EngineWorker):
                 await self.engine(lambda engine, r: engine.abort(r), rid)
             await self.refresh_stats()
 
+    async def _admit(self, engine_request, prefix, ready):
+        try:
+            return await self.engine(lambda engine: engine.admit(engine_request, prefix, True, ready))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), request_id=engine_request.request_id) from None
+
     def _last_chunk(self, out):
-        chunk = chunk_from(out, len(out.new_token_ids))
+        chunk = chunk_from(out, len(out.new_token_ids), first_index=0)
         chunk.worker, chunk.worker_incarnation = self.config.advertise, self.incarnation
         return chunk
+
+    def _send_first_token(self, gateway: str, rid: str, span: SpanContext, out) -> None:
+        """The first token to the gateway before the hand-off: it names no worker (the decode
+        worker streams the request and says so); lost, it still comes from the decode worker."""
+        try:
+            self.send(gateway, chunk_from(out, len(out.new_token_ids), first_index=0), request_id=rid, span=span)
+        except WireError as exc:
+            self.log.warning("first_token.undeliverable", request_id=rid, code=exc.code.name)
 
     async def _advertise_prompt_states(self, request, rid: str, span: SpanContext) -> None:
         """Register the window states this prefill saved at the prompt's block boundaries (the

@@ -10,11 +10,18 @@ resumes at a block boundary only with the window state there (the last 128 token
     An engine with bounded replay (V4.1) takes the pages up to the probe even without a window there:
     it recomputes the last block to rebuild the window (bounded replay), so no hit drops to 0.
 Every failure (store unreadable, holder gone, timeout) only shortens the hit; none fails the request.
+
+The local check runs on the engine thread while the store read and the window fetch are under way
+(a local hit cancels them); what was read goes into the engine with the request itself, in one
+engine-thread call (`EngineCore.admit`, engine/admission.py), where an import the engine refuses
+still admits the request with what is usable.
 """
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
+from engine.admission import Admitted, PrefixImport
 from messages.errors import WireError
 from messages.handoff import BufferRole, KVSnapshot, SwaFetch
 from messages.kv_store import KvReadPages
@@ -27,6 +34,12 @@ from services.workers.tensors import torch_frame, torch_view
 def _usable_prefix(engine, hashes: list[bytes]) -> int:
     """Prefix tokens this engine can already serve from its cache for the chain (pages + state)."""
     return engine.kv.usable_prefix(hashes)
+
+
+@dataclass(slots=True)
+class HitPlan:
+    usable: int                          # prompt tokens this engine's cache serves as it is
+    prefix: PrefixImport | None = None   # what to import with the request (nothing to: None)
 
 
 class PrefixLoader:
@@ -44,8 +57,9 @@ class PrefixLoader:
         if self.reader is not None:
             self.reader.close()
 
-    async def load(self, request, probe: int, rid: str, span: SpanContext) -> int:
-        """Prompt tokens the engine will take from its cache (0 when nothing could be loaded)."""
+    async def plan(self, request, probe: int, rid: str, span: SpanContext) -> HitPlan:
+        """What the engine can use of the routed hit without an import, and what to import with the
+        request (`EngineCore.admit`)."""
         worker = self.worker
         blocks = probe // BLOCK_TOKENS
         hashes = list(request.block_hashes[:blocks])
@@ -53,30 +67,40 @@ class PrefixLoader:
             if probe:
                 worker.log.warning("kv_hit.ignored", request_id=rid, kv_hit_tokens=probe,
                                    hint="not a block boundary within L - 134 of this prompt's hash chain")
-            return 0
-        local = await worker.engine(_usable_prefix, hashes)
-        if local >= probe:
-            return local
-        wanted = [b for b in (probe, probe - BLOCK_TOKENS) if b > local]
-        pages, state = await asyncio.gather(self._read_pages(hashes, rid, span),
-                                            self._fetch_window([hashes[b // BLOCK_TOKENS - 1] for b in wanted], rid, span))
+            return HitPlan(0)
+        boundaries = [hashes[b // BLOCK_TOKENS - 1] for b in (probe, probe - BLOCK_TOKENS) if b > 0]
+        reads = asyncio.gather(self._read_pages(hashes, rid, span), self._fetch_window(boundaries, rid, span))
+        try:
+            local = await worker.engine(_usable_prefix, hashes)
+            if local >= probe:
+                return HitPlan(local)
+            pages, state = await reads
+        finally:
+            if not reads.done():
+                reads.cancel()
+                reads.add_done_callback(lambda done: done.cancelled() or done.exception())
         at_probe = state is not None and state[0].block_hashes[0] == hashes[-1]
         upto = hit_length(len(request.prompt_ids), probe, at_probe) // BLOCK_TOKENS   # L1, else L1 - 128
         if getattr(worker, "bounded_replay", False):
             upto = blocks   # the engine replays the last block when no window is there
         pages = pages[:upto]
         if not pages:
-            return local
+            return HitPlan(local)
+        if state is not None and state[0].num_tokens <= local:
+            state = None   # this engine holds that window already (asked before the local check came back)
         boundary = state if state is not None and len(pages) == upto else None
-        hashes = hashes[: len(pages)]
-        try:
-            usable = await worker.engine(lambda engine: engine.import_prefix(hashes, [[p] for p in pages], boundary))
-        except ValueError as exc:
-            worker.log.warning("import_prefix.failed", request_id=rid, error=str(exc))
-            return local
-        worker.log.info("prefix.imported", request_id=rid, blocks=len(pages), with_state=boundary is not None,
-                        usable_tokens=usable)
-        return usable
+        return HitPlan(local, PrefixImport(hashes[: len(pages)], [[p] for p in pages], boundary))
+
+    def report(self, plan: HitPlan, admitted: Admitted, rid: str) -> int:
+        """Log the import `admit` made of `plan`; the prompt tokens the engine takes from its cache."""
+        if plan.prefix is None:
+            return plan.usable
+        if admitted.import_error:
+            self.worker.log.warning("import_prefix.failed", request_id=rid, error=admitted.import_error)
+            return admitted.usable_tokens
+        self.worker.log.info("prefix.imported", request_id=rid, blocks=len(plan.prefix.pages),
+                             with_state=plan.prefix.boundary_state is not None, usable_tokens=admitted.usable_tokens)
+        return admitted.usable_tokens
 
     async def _read_pages(self, hashes: list[bytes], rid: str, span: SpanContext) -> list:
         worker = self.worker

@@ -68,6 +68,7 @@ class StreamTable:
             raise InvalidRequest(f"request {stream.request_id} is already running here", request_id=stream.request_id)
         stream.computed_tokens = stream.prompt_tokens
         if generated is not None and generated.token_ids:
+            generated.first_index = 0   # they are the output's first tokens, whoever sent them before
             stream.ahead = generated
             stream.completion_tokens = stream.computed_tokens = len(generated.token_ids)
             stream.computed_tokens += stream.prompt_tokens
@@ -98,7 +99,7 @@ class StreamTable:
         stream.completion_tokens += new
         stream.cached_tokens = out.num_cached_tokens
         finished = out.finish_reason is not None
-        chunks.append(self._announce(stream, chunk_from(out, stream.completion_tokens)))
+        chunks.append(self._announce(stream, chunk_from(out, stream.completion_tokens, stream.completion_tokens - new)))
         # KV exists for every token but the last sampled one (the first output: the prompt's)
         before, stream.computed_tokens = stream.computed_tokens, stream.computed_tokens + new
         crossed = (stream.computed_tokens - 1) // self.block_tokens > (before - 1) // self.block_tokens

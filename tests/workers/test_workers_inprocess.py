@@ -17,6 +17,7 @@ from messages.handoff import KVSnapshot, StateHandoff
 from messages.routing import PrefillDone, PrefillWork
 from messages.prefix import block_hashes
 from messages.swa_registry import SwaLookup, SwaUnregister
+from services.gateway.open_requests import OpenRequest
 from services.kv_writer.service import KvWriterService
 from services.runtime.service import Service
 from services.swa_registry.service import SwaRegistryService
@@ -32,7 +33,9 @@ def engine_settings(model_dir) -> dict:
 
 
 class TestHelperGateway(Service):
-    """Test-only: plays gateway (receives GenerateChunk) and prefill router (sends PrefillWork)."""
+    """Test-only: plays gateway (receives GenerateChunk, each token once as the real gateway takes
+    it: OpenRequest.take) and prefill router (sends PrefillWork). `received` keeps every chunk as
+    it came."""
 
     kind = "test_gateway"
     __test__ = False
@@ -40,12 +43,18 @@ class TestHelperGateway(Service):
     def __init__(self, config):
         super().__init__(config)
         self.chunks: dict[str, list[GenerateChunk]] = {}
+        self.received: dict[str, list[GenerateChunk]] = {}
+        self.open: dict[str, OpenRequest] = {}
 
     def handlers(self):
         return {GenerateChunk: self._on_chunk}
 
     async def _on_chunk(self, msg: GenerateChunk, ctx) -> None:
-        self.chunks.setdefault(ctx.request_id, []).append(msg)
+        self.received.setdefault(ctx.request_id, []).append(msg)
+        request = self.open.setdefault(ctx.request_id, OpenRequest(ctx.request_id, ctx.span))
+        new = request.take(msg)
+        if new is not None:
+            self.chunks.setdefault(ctx.request_id, []).append(new)
 
     def finished(self, rid: str) -> bool:
         chunks = self.chunks.get(rid, [])
