@@ -116,7 +116,7 @@ def test_reasoning_effort_of_each_api_becomes_the_numeric_prefix(adapter, v41, p
 def test_anthropic_thinking_switch_turns_thinking_on_and_off(adapter, v41):
     tokenizer, _ = v41
     base = {"model": V41_MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}]}
-    on = {**base, "thinking": {"type": "enabled", "budget_tokens": 1024}}   # budget: effort stays high
+    on = {**base, "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1024}}   # effort stays high
     off = {**base, "thinking": {"type": "disabled"}}
     assert adapter.prepare(Protocol.MESSAGES, json.dumps(on).encode()).prompt_ids == _ids(
         tokenizer, BOS, SYSTEM, EFFORT.format(75), USER, "Hi", ASSISTANT, THINK)
