@@ -16,11 +16,10 @@ import subprocess
 import sys
 import time
 import tomllib
-import urllib.error
-import urllib.request
 from importlib import resources
 from pathlib import Path
 
+from ops.gateway_ready import gateway_not_ready
 from ops.ports import free_port_base
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,17 +177,16 @@ class LocalStack:
             raise RuntimeError(f"epd up failed ({up.returncode}); logs in {self.run_dir}\n{up.stdout}{up.stderr}")
 
     def _wait_healthy(self) -> None:
-        """The gateway's /health is 200 once it runs and reaches its upstream."""
-        deadline, last = time.monotonic() + HEALTH_TIMEOUT_S, ""
+        """The gateway's /ready is 200: every pool behind it has a live registered worker (its /health
+        answers 200 as soon as it runs, workers still loading)."""
+        deadline, missing = time.monotonic() + HEALTH_TIMEOUT_S, {}
         while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except (urllib.error.URLError, OSError) as exc:
-                last = str(exc)
+            missing = gateway_not_ready(self.url)
+            if not missing:
+                return
             time.sleep(0.1)
-        raise RuntimeError(f"the gateway at {self.url} is not healthy after {HEALTH_TIMEOUT_S:.0f}s ({last})")
+        why = "; ".join(f"{pool}: {reason}" for pool, reason in sorted(missing.items()))
+        raise RuntimeError(f"the gateway at {self.url} is not ready after {HEALTH_TIMEOUT_S:.0f}s ({why})")
 
     def down(self) -> None:
         """Stop the stack if one was started; a second Ctrl-C does not interrupt the stop."""

@@ -20,6 +20,7 @@ import urllib.request
 from importlib import resources
 from pathlib import Path
 
+from ops.gateway_ready import gateway_not_ready
 from ops.ports import free_port_base
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,16 +166,19 @@ class ChaosStack:
         return None
 
     def wait_healthy(self, timeout_s: float) -> bool:
-        """Every service running (workers registered upstream) and the gateway's /health 200."""
+        """Every service running (workers registered upstream) and the gateway ready to serve: its /ready
+        200, i.e. every pool behind it has a live registered worker (/health says only that it runs)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if all(self._ready(s) for s in self.services()) and self.http_healthy():
+            if all(self._ready(s) for s in self.services()) and self.http_ready():
                 return True
             time.sleep(POLL_S)
         return False
 
     def not_ready(self) -> list[str]:
-        return [s["instance"] for s in self.services() if not self._ready(s)]
+        """The instances not running, then each pool the gateway's /ready names, with why."""
+        pools = [f"pool {pool}: {why}" for pool, why in sorted(self.gateway_not_ready().items())]
+        return [s["instance"] for s in self.services() if not self._ready(s)] + pools
 
     def _ready(self, svc: dict) -> bool:
         from messages.control import ServiceState
@@ -183,12 +187,13 @@ class ChaosStack:
         return bool(reply and reply.state == ServiceState.RUNNING and reply.pid == svc["pid"]
                     and (not reply.upstream or reply.upstream_connected))
 
-    def http_healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
-                return reply.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+    def http_ready(self) -> bool:
+        """The gateway's /ready is 200: every pool behind it has a live registered worker."""
+        return not self.gateway_not_ready()
+
+    def gateway_not_ready(self) -> dict[str, str]:
+        """What the gateway's /ready says is not ready (pool -> why); {} when it answers 200."""
+        return gateway_not_ready(self.url)
 
     # ---- processes and logs ------------------------------------------------------------------
     def rss_mib(self) -> dict[str, float]:
