@@ -48,7 +48,7 @@ def _pid_alive(pid: int) -> bool:
 # ---- up ----------------------------------------------------------------------------------
 def cmd_up(args) -> int:
     from ops.launcher import Supervisor
-    from ops.settings_check import settings_errors
+    from ops.settings_check import refuse_bad_settings
     from ops.topology import load_topology
     try:
         topology = load_topology(args.topology, port_base=args.port_base, http_port=args.http_port,
@@ -56,10 +56,7 @@ def cmd_up(args) -> int:
     except (ValueError, OSError) as exc:
         print(f"epd up: {exc}", file=sys.stderr)
         return 2
-    errors = settings_errors(topology)   # before anything starts: a typo is an error, not a crash loop
-    for error in errors:
-        print(f"epd up: {error}", file=sys.stderr)
-    if errors:
+    if refuse_bad_settings(topology, "up"):   # before anything starts: a typo is an error, not a crash loop
         return 2
     keys_dir = _up_keys_dir(args)
     if keys_dir is None:

@@ -92,8 +92,12 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ops.settings_check import refuse_bad_settings
     try:
-        text = render(load_topology(args.topology), ref=args.topology)
+        topology = load_topology(args.topology)
+        if refuse_bad_settings(topology, "compose"):   # as `epd up` does: a typo is refused, nothing written
+            return 2
+        text = render(topology, ref=args.topology)
     except (ValueError, OSError) as exc:
         print(f"epd compose: {exc}", file=sys.stderr)
         return 2

@@ -113,8 +113,11 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ops.settings_check import refuse_bad_settings
     try:
         topology = load_topology(args.topology)
+        if refuse_bad_settings(topology, "kube"):   # as `epd up` does: a typo is refused, nothing written
+            return 2
         files = {args.out: base_files(topology, ref=args.topology)}
         if args.overlays is not None:   # an overlay names the base relative to itself
             base = Path(os.path.relpath(args.out.resolve(), (args.overlays / "overlay").resolve())).as_posix()

@@ -76,3 +76,26 @@ def test_the_checked_class_is_the_one_the_service_parses(kind):
 def _one_service(kind: str, settings: dict):
     from ops.topology import parse_topology
     return parse_topology({"service": [{"name": "s", "kind": kind, "settings": settings}]}, source="t.toml")
+
+
+@pytest.mark.parametrize("command", ["compose", "kube"])
+def test_epd_compose_and_kube_refuse_bad_settings_before_they_write_anything(tmp_path, capsys, command):
+    path = tmp_path / "typo.toml"
+    path.write_text(GOOD.format(extra="kv_writter = \"tcp://x:1\""))
+    out = tmp_path / "out"
+    argv = [command, "--topology", str(path), "--out", str(out / "docker-compose.yml" if command == "compose" else out)]
+    assert main([*argv, *(["--overlays", str(tmp_path / "overlays")] if command == "kube" else [])]) == 2
+    captured = capsys.readouterr()
+    assert f"epd {command}: {path}: service worker (decode_worker): unknown setting 'kv_writter'" in captured.err
+    assert captured.out == "" and not out.exists() and not (tmp_path / "overlays").exists()
+
+
+@pytest.mark.parametrize("command", ["compose", "kube"])
+def test_epd_compose_and_kube_still_write_a_good_topology(tmp_path, command):
+    path = tmp_path / "good.toml"
+    path.write_text(GOOD.format(extra="capacity = 4"))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main([command, "--topology", str(path), "--out",
+                 str(out / "docker-compose.yml" if command == "compose" else out)]) == 0
+    assert any(out.iterdir())
