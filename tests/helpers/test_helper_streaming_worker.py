@@ -1,7 +1,7 @@
 """Test-only services for the gateway's stream handling, in-process over real ZeroMQ: a router
 that forwards each GenerateRequest to one worker (or attempt k of a resumed request to worker k),
 and a worker that streams scripted chunks to the gateway (naming itself on the first, as the real
-workers do). Both record the aborts they get. With `positional`, the worker's token at output
+workers do, and numbering each: GenerateChunk.first_index). Both record the aborts they get. With `positional`, the worker's token at output
 index i is a function of the position alone (like greedy decoding), so a resumed attempt, whose
 prompt ends with the tokens already streamed, continues exactly where the first one stopped."""
 from __future__ import annotations
@@ -69,10 +69,11 @@ class TestHelperStreamingWorker(Service):
         count = min(int(self.config.settings.get("chunks", 1)), msg.sampling.max_tokens)
         chunks = [GenerateChunk([positional_token(len(msg.prompt_ids) + i) if self.config.settings.get("positional")
                                  else TOKEN], worker=self.config.advertise if i == 0 else "",
-                                worker_incarnation=self.incarnation if i == 0 else "") for i in range(count)]
+                                worker_incarnation=self.incarnation if i == 0 else "", first_index=i)
+                  for i in range(count)]
         if self.config.settings.get("finish", True):
             done = FinishReason.LENGTH if count == msg.sampling.max_tokens else FinishReason.STOP
-            chunks.append(GenerateChunk([], int(done), usage=Usage(len(msg.prompt_ids), 0, count)))
+            chunks.append(GenerateChunk([], int(done), usage=Usage(len(msg.prompt_ids), 0, count), first_index=count))
         for chunk in chunks:
             self.send_chunk(msg.return_address, ctx.request_id, chunk)
 
