@@ -76,9 +76,11 @@ async def image_gateway(tmp_path, tiny_v41_model_dir):
     await web.TCPSite(runner, "127.0.0.2", image_port).start()
     upstream = await start(TestHelperImageUpstream, tmp_path, "upstream", started)
     port = free_port_base(1, offset=0)
-    gateway = await start(GatewayService, tmp_path, "gw", started, upstream=upstream.config.advertise, settings={
-        "http_bind": f"127.0.0.1:{port}", "model_dir": str(tiny_v41_model_dir), "served_model": MODEL,
-        "context_length": 4096, "image_allow_networks": ["127.0.0.2/32"], "image_max_pixels": 20_000_000})
+    # dead_after 30 (3 s of silence): a big image decoded in this loop must not make its peers look dead
+    gateway = await start(GatewayService, tmp_path, "gw", started, upstream=upstream.config.advertise, dead_after=30,
+                          settings={"http_bind": f"127.0.0.1:{port}", "model_dir": str(tiny_v41_model_dir),
+                                    "served_model": MODEL, "context_length": 4096,
+                                    "image_allow_networks": ["127.0.0.2/32"], "image_max_pixels": 20_000_000})
     leader = await start(TestHelperIdleVisionLeader, tmp_path, "leader", started, upstream=gateway.config.advertise)
     await eventually(lambda: gateway.upstream.connected and gateway.members.alive(BALANCER_KIND),
                      what="the gateway and the vision leader to register")

@@ -30,7 +30,7 @@ NO_RESUMES = {"max_resumes": 0}   # a dead worker's requests fail (test_gateway_
 
 
 async def start(cls, tmp_path, name: str, started: list, **fields):
-    svc = cls(ServiceConfig(kind=cls.kind, instance=name, bind=f"ipc://{tmp_path}/{name}.sock", **FAST, **fields))
+    svc = cls(ServiceConfig(kind=cls.kind, instance=name, bind=f"ipc://{tmp_path}/{name}.sock", **{**FAST, **fields}))
     task = asyncio.create_task(svc.run(install_signals=False))
     started.append((svc, task))
     while svc.state == 0 and not task.done():
