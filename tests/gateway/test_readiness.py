@@ -14,6 +14,7 @@ from services.gateway.service import GatewayService
 from services.prefill_router.service import PrefillRouterService
 from services.runtime.config import ServiceConfig
 from services.runtime.service import Service
+from tests.helpers.test_helper_async import eventually
 from tests.helpers.test_helper_services import InProcessServices
 from tests.helpers.test_helper_stack import free_port_base
 
@@ -41,6 +42,8 @@ async def behind(tmp_path, tiny_model_dir):
     gateway = await services.start(GatewayService, "gateway", {
         "http_bind": f"127.0.0.1:{port}", "model_dir": str(tiny_model_dir), "context_length": 4096,
         "aides": ["grammar_compiler"]}, upstream=prefill.config.advertise)
+    # started is not registered: until then /ready names "upstream", not the pools behind it
+    await eventually(lambda: gateway.upstream.connected, what="the gateway to register with the prefill router")
     async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
         yield services, http, {"prefill": prefill, "decode": decode, "gateway": gateway}
     await services.close()
