@@ -22,6 +22,11 @@ BACKOFF_START_S = 0.25
 BACKOFF_MAX_S = 8.0
 
 
+def next_backoff(backoff: float, heartbeat_s: float) -> float:
+    """The pause after `backoff` before the next try: doubled, and no longer than one heartbeat."""
+    return min(backoff * 2, BACKOFF_MAX_S, max(heartbeat_s, BACKOFF_START_S))
+
+
 class UpstreamLink:
     def __init__(self, service, address: str = ""):
         self.service = service
@@ -62,7 +67,7 @@ class UpstreamLink:
             svc.drop_link(self.address)    # LINGER 0: a fresh socket, nothing stale queued
             self.reconnects += 1
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S, max(svc.config.heartbeat_s, BACKOFF_START_S))
+            backoff = next_backoff(backoff, svc.config.heartbeat_s)
 
     async def _register(self) -> None:
         svc, cfg = self.service, self.service.config

@@ -7,8 +7,12 @@ Every registration names this process (its incarnation), so a worker restarted a
 is never taken for its predecessor. Every heartbeat interval the worker checks in with the registry
 (an acknowledged SwaRegister without hashes): an answer `known=False` (the registry restarted, or
 forgot this worker while it was silent) makes it register every window state it still holds again,
-and so does any registration it could not deliver. A registry silent for dead_after intervals gets
-a fresh link (ZeroMQ's reconnect back-off would otherwise delay noticing its return by seconds).
+and so does any registration it could not deliver. A check-in waits dead_after_s for its answer, not
+one interval: on a slow network or a loaded host a round trip may take longer than an interval, and
+an answer given up on is refused when it comes, so the worker would never learn it must register
+again. A check-in unanswered for that long gets a fresh link (ZeroMQ's reconnect back-off would
+otherwise delay noticing the registry's return by seconds) and is tried again on the upstream link's
+back-off (services/runtime/upstream.py) until one is answered.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from messages.errors import WireError
 from messages.kv_store import KvWritePages
 from messages.swa_registry import SwaRegister
 from services.runtime.tracing import SpanContext
+from services.runtime.upstream import BACKOFF_START_S, next_backoff
 from services.workers.tensors import to_frame
 
 WRITE_BATCH_BLOCKS = 256   # pages per KvWritePages / hashes per SwaRegister (both services cap a message)
@@ -143,25 +148,27 @@ class BlockPersister:
     async def _check_in_loop(self) -> None:
         worker, cfg = self.worker, self.worker.config
         loop = asyncio.get_running_loop()
-        missed = 0
+        backoff, unanswered = BACKOFF_START_S, 0
         while True:
             started = loop.time()
             try:
                 reply = await worker.call(worker.settings.swa_registry, self._registration([], ack=True),
-                                          timeout=cfg.heartbeat_s)
-                missed = 0
+                                          timeout=cfg.dead_after_s)
+                backoff, unanswered = BACKOFF_START_S, 0
                 await self._checked_in(reply.message)
-            except WireError as exc:
-                missed += 1
-                if missed % cfg.dead_after == 0:   # a fresh link; whatever was queued to it may be lost
-                    if missed == cfg.dead_after:
-                        worker.log.warning("swa_registry.unreachable", registry=worker.settings.swa_registry,
-                                           code=exc.code.name)
-                    worker.drop_link(worker.settings.swa_registry)
-                    self._reregister_due = True
+                pause = cfg.heartbeat_s - (loop.time() - started)
+            except WireError as exc:   # unanswered for dead_after_s, or refused: a fresh link, try again
+                if not unanswered:
+                    worker.log.warning("swa_registry.unreachable", registry=worker.settings.swa_registry,
+                                       code=exc.code.name)
+                unanswered += 1
+                worker.drop_link(worker.settings.swa_registry)   # whatever was queued to it may be lost
+                self._reregister_due = True
+                pause, backoff = backoff, next_backoff(backoff, cfg.heartbeat_s)
             except Exception:   # a bug, or the engine gone: log it, check in again next interval
                 worker.log.exception("swa_registry.check_in_failed")
-            await asyncio.sleep(max(0.0, cfg.heartbeat_s - (loop.time() - started)))
+                pause = cfg.heartbeat_s - (loop.time() - started)
+            await asyncio.sleep(max(0.0, pause))
 
     async def _checked_in(self, ack) -> None:
         restarted = bool(self.registry_incarnation) and ack.registry_incarnation != self.registry_incarnation

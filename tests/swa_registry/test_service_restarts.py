@@ -2,10 +2,11 @@
 without an engine) over real ZeroMQ, in-process, through restarts: check-ins answered with the
 registry's incarnation and `known`; a worker restarted at its address retires its predecessor's
 entries at its first check-in, so no fetch reaches it for windows it never had; a silent holder
-loses its entries; a restarted registry (quickly, or after the workers gave it up) is filled again
-by the workers with every window they still hold."""
+loses its entries; a restarted registry (quickly, or after the workers gave it up, or answering
+slower than a heartbeat interval) is filled again by the workers with every window they still hold."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -120,3 +121,34 @@ async def test_windows_computed_while_the_registry_was_down_are_registered_when_
     s.registry = await s.start_again("swa")
     await eventually(lambda: s.registry.registry.lookup([h(1), h(2)]) == [a.config.advertise] * 2, timeout=5,
                      what="every window registered with the returned registry")
+
+
+SLOW = {"heartbeat_s": 0.1, "dead_after": 20}   # a check-in may wait 2 s for its answer
+
+
+class SlowRegistry(SwaRegistryService):
+    """A registry behind a slow network (or on a loaded host): every answer takes two heartbeat
+    intervals, well within dead_after_s."""
+
+    async def on_register(self, msg, ctx):
+        await asyncio.sleep(2 * SLOW["heartbeat_s"])   # the injected latency, not a wait for a condition
+        return await super().on_register(msg, ctx)
+
+
+async def test_a_registry_slower_than_a_heartbeat_interval_still_learns_and_relearns_the_workers_windows(tmp_path):
+    # a check-in given up on after one interval would never be answered in time: the worker would
+    # stay unregistered for good (its late answers are refused as unexpected)
+    s = RestartableServices(tmp_path, SLOW)
+    try:
+        s.registry = await s.start(SlowRegistry, "swa")
+        a = await s.start(TestHelperWindowHolder, "a", {"swa_registry": s.registry.config.advertise})
+        a.hold([h(1), h(2)])
+        await eventually(lambda: s.registry.registry.lookup([h(1), h(2)]) == [a.config.advertise] * 2,
+                         timeout=10, what="registered through a slow registry")
+        old = s.registry.incarnation
+        s.registry = await s.restart(s.registry)
+        await eventually(lambda: s.registry.registry.lookup([h(1), h(2)]) == [a.config.advertise] * 2,
+                         timeout=10, what="registered again with the restarted slow registry")
+        assert a.persister.registry_incarnation == s.registry.incarnation != old
+    finally:
+        await s.close()
