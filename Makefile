@@ -41,7 +41,7 @@ status:
 	$(VENV)/bin/epd status
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The default topology in containers (compose/README.md): the image (compose/build-image picks a base
 # and a BuildKit client), the stack's CURVE keys (compose/make-keys), then Compose.
