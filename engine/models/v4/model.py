@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from engine.models.common.captures import checked_captures
+from engine.models.common.embedding import TokenEmbedding
 from engine.models.common.norms import RMSNorm
 from engine.models.common.state import SequenceState
 from engine.models.spec import ModelCapabilities, SequenceKV
@@ -47,7 +48,7 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig, rotaries: dict[str, Rotary]):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = TokenEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, rotaries) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = HyperHead(config)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from engine.models.common.captures import checked_captures
+from engine.models.common.embedding import TokenEmbedding
 from engine.models.common.norms import RMSNorm
 from engine.models.common.state import SequenceState
 from engine.models.spec import ModelCapabilities, SequenceKV
@@ -86,7 +87,7 @@ class DeepseekV41(nn.Module):
             "main": V41Rotary(config.rope_theta, config.rope_dim),
             "compress": V41Rotary(config.compress_rope_theta, config.rope_dim, config.rope_scaling),
         }
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed = TokenEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i, self.rotaries) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=torch.float32)
