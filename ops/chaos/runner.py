@@ -32,6 +32,7 @@ class Context:
     salt: str = field(default_factory=lambda: str(time.time_ns()))   # fresh prompts on a reused stack
     recover_s: float = 90.0     # how long a killed service may take to be back
     streams: int = STREAMS      # concurrent streams of the kill, freeze and restart scenarios
+    stream_tokens: int = STREAM_TOKENS   # tokens per stream of those scenarios (tests run shorter ones)
     baselines: dict[str, list[Result]] = field(default_factory=dict)
     quiet: bool = False
 
@@ -59,10 +60,11 @@ def prompt(seed: str, words: int) -> str:
 
 
 def stream_bodies(ctx: Context, name: str, count: int = 0, words: int = 60,
-                  max_tokens: int = STREAM_TOKENS, prefix_words: int = 0) -> list[dict]:
-    """`count` (default ctx.streams) greedy streaming chat bodies; with prefix_words they share a
-    prefix of that length."""
+                  max_tokens: int = 0, prefix_words: int = 0) -> list[dict]:
+    """`count` (default ctx.streams) greedy streaming chat bodies of `max_tokens` (default
+    ctx.stream_tokens); with prefix_words they share a prefix of that length."""
     count = count or ctx.streams
+    max_tokens = max_tokens or ctx.stream_tokens
     prefix = prompt(f"{ctx.salt}-{name}-prefix", prefix_words) + " " if prefix_words else ""
     return [chat_body(ctx.stack.model, prefix + prompt(f"{ctx.salt}-{name}-{i}", words), max_tokens)
             for i in range(count)]
