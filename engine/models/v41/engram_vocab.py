@@ -8,16 +8,20 @@ Compressed ids are handed out in token-id order of first appearance. The count m
 bounds checks: every hash multiplier derives from it, so a different tokenizer silently rehashes
 the released tables (checked against `engram_compressed_vocab_size`).
 
-Building the map takes about 1.5 s for a 129k vocabulary; it is cached per tokenizer file content.
+Building the map takes about 1 s of CPU for a 129k vocabulary, which every worker process would pay
+at start: it is kept per tokenizer file content, in this process and on disk (`cache_dir()`, one
+.npy file named by the content's sha256; a file that does not read back as a valid map is rebuilt).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 _WHITESPACE_MARK = "\ue000"  # a private-use char that survives Strip()
@@ -40,14 +44,48 @@ def tokenizer_digest(tokenizer_json: str | Path) -> str:
 
 
 def compressed_vocab(tokenizer_json: str | Path) -> CompressedVocab:
-    """The compressed map of a tokenizer.json (built once per file content in this process)."""
+    """The compressed map of a tokenizer.json (built once per file content, then read back)."""
     data = Path(tokenizer_json).read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     with _cache_lock:
         if digest not in _cache:
-            token_map, size = _build(data.decode("utf-8"))
-            _cache[digest] = CompressedVocab(token_map, size, digest)
+            token_map = _read_cached(digest)
+            if token_map is None:
+                token_map, _ = _build(data.decode("utf-8"))
+                _write_cached(digest, token_map)
+            _cache[digest] = CompressedVocab(token_map, int(token_map.max()) + 1, digest)
         return _cache[digest]
+
+
+def cache_dir() -> Path:
+    """Where built maps are kept: $EPD_CACHE_DIR, else ~/.cache/epd."""
+    return Path(os.environ.get("EPD_CACHE_DIR") or Path.home() / ".cache" / "epd") / "engram-vocab"
+
+
+def _read_cached(digest: str) -> torch.Tensor | None:
+    """A kept map, or None when there is none or it is not a valid one (ids 0..size-1, each first
+    seen in token order, as _build hands them out)."""
+    try:
+        values = np.load(cache_dir() / f"{digest}.npy", allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    if values.dtype != np.int64 or values.ndim != 1 or not values.size or values[0] != 0:
+        return None
+    if not (np.diff(np.maximum.accumulate(values)) <= 1).all() or values.min() < 0:
+        return None
+    return torch.from_numpy(values)
+
+
+def _write_cached(digest: str, token_map: torch.Tensor) -> None:
+    """Keep the map for the next process; a cache that cannot be written (read-only home) is skipped."""
+    target = cache_dir() / f"{digest}.npy"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{digest}.{os.getpid()}.partial.npy")
+        np.save(partial, token_map.numpy(), allow_pickle=False)
+        os.replace(partial, target)   # whole or absent: a reader never sees half a file
+    except OSError:
+        pass
 
 
 def _normalizer():
