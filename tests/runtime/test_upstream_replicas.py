@@ -9,6 +9,9 @@ from services.runtime.service import Service
 from tests.helpers.test_helper_async import eventually
 
 FAST = {"heartbeat_s": 0.05, "dead_after": 3}
+# A replica's loss is noticed within 3 s, and a link to a live replica never misses that long, even
+# on a loaded test machine (with FAST, a 0.15 s stall of the loop reads as a lost upstream).
+PATIENT = {"heartbeat_s": 0.1, "dead_after": 30}
 
 
 class TestHelperLossCountingService(Service):
@@ -25,8 +28,8 @@ class TestHelperLossCountingService(Service):
         self.upstream_losses += 1
 
 
-async def _start(cls, tmp_path, name, **fields):
-    svc = cls(ServiceConfig(kind=cls.kind, instance=name, bind=f"ipc://{tmp_path}/{name}.sock", **FAST, **fields))
+async def _start(cls, tmp_path, name, timing=FAST, **fields):
+    svc = cls(ServiceConfig(kind=cls.kind, instance=name, bind=f"ipc://{tmp_path}/{name}.sock", **timing, **fields))
     task = asyncio.create_task(svc.run(install_signals=False))
     await eventually(lambda: svc.state != 0 or task.done(), what=f"{name} started")
     assert not task.done(), f"{name} failed to start"
@@ -58,15 +61,16 @@ async def test_a_member_registers_and_heartbeats_with_every_upstream_replica(tmp
 
 
 async def test_losing_another_replica_is_not_losing_the_upstream(tmp_path):
-    first, other = [await _start(Service, tmp_path, f"hub{i}") for i in range(2)]
-    member, member_task = await _start(TestHelperLossCountingService, tmp_path, "aide",
+    first, other = [await _start(Service, tmp_path, f"hub{i}", timing=PATIENT) for i in range(2)]
+    member, member_task = await _start(TestHelperLossCountingService, tmp_path, "aide", timing=PATIENT,
                                        upstream=first[0].config.advertise,
                                        upstream_replicas=(other[0].config.advertise,))
-    await eventually(lambda: _alive(first[0], "aide") and _alive(other[0], "aide"), what="registered with both")
+    await eventually(lambda: _alive(first[0], "aide") and _alive(other[0], "aide"), timeout=30,
+                     what="registered with both")
     await _stop(*other)
     [other_link] = member.upstream.others
-    await eventually(lambda: other_link.reconnects >= 1, what="the other replica's link noticed it is gone")
+    await eventually(lambda: other_link.reconnects >= 1, timeout=30, what="the other replica's link noticed it is gone")
     assert member.upstream.connected and member.upstream_losses == 0 and _alive(first[0], "aide")
     await _stop(*first)
-    await eventually(lambda: member.upstream_losses == 1, what="the first replica's loss is the upstream lost")
+    await eventually(lambda: member.upstream_losses == 1, timeout=30, what="the first replica's loss is the upstream lost")
     await _stop(member, member_task)
