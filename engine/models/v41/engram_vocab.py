@@ -10,7 +10,7 @@ the released tables (checked against `engram_compressed_vocab_size`).
 
 Building the map takes about 1 s of CPU for a 129k vocabulary, which every worker process would pay
 at start: it is kept per tokenizer file content, in this process and on disk (`cache_dir()`, one
-.npy file named by the content's sha256; a file that does not read back as a valid map is rebuilt).
+.npy file named by the content's sha256 and the build's version; a file that does not read back as a valid map is rebuilt).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ import numpy as np
 import torch
 
 _WHITESPACE_MARK = "\ue000"  # a private-use char that survives Strip()
+# In the kept files' names: bump it with any change to what _build or _normalizer return, or a warm
+# cache would keep serving the old map (wrong Engram rows, silently)
+_BUILD_VERSION = 1
 _cache: dict[str, "CompressedVocab"] = {}
 _cache_lock = threading.Lock()
 
@@ -62,11 +65,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EPD_CACHE_DIR") or Path.home() / ".cache" / "epd") / "engram-vocab"
 
 
+def _kept_path(digest: str) -> Path:
+    return cache_dir() / f"{digest}.v{_BUILD_VERSION}.npy"
+
+
 def _read_cached(digest: str) -> torch.Tensor | None:
     """A kept map, or None when there is none or it is not a valid one (ids 0..size-1, each first
     seen in token order, as _build hands them out)."""
     try:
-        values = np.load(cache_dir() / f"{digest}.npy", allow_pickle=False)
+        values = np.load(_kept_path(digest), allow_pickle=False)
     except (OSError, ValueError):
         return None
     if values.dtype != np.int64 or values.ndim != 1 or not values.size or values[0] != 0:
@@ -78,10 +85,10 @@ def _read_cached(digest: str) -> torch.Tensor | None:
 
 def _write_cached(digest: str, token_map: torch.Tensor) -> None:
     """Keep the map for the next process; a cache that cannot be written (read-only home) is skipped."""
-    target = cache_dir() / f"{digest}.npy"
+    target = _kept_path(digest)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f"{digest}.{os.getpid()}.partial.npy")
+        partial = target.with_name(f"{target.stem}.{os.getpid()}.partial.npy")
         np.save(partial, token_map.numpy(), allow_pickle=False)
         os.replace(partial, target)   # whole or absent: a reader never sees half a file
     except OSError:

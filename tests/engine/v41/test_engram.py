@@ -15,7 +15,8 @@ from engine.models.v41.config import V41Config
 from engine.models.v41.engram import Engram
 from engine.models.v41.engram_hash import NgramHasher, engram_row_counts
 from engine.quant import quantize_fp8_rows as quantize_table
-from engine.models.v41.engram_vocab import compressed_vocab
+from engine.models.v41 import engram_vocab
+from engine.models.v41.engram_vocab import compressed_vocab, tokenizer_digest
 
 nemo_engram = pytest.importorskip(
     "nemo_automodel.components.models.deepseek_v41.engram", reason="NeMo Automodel is the test-only reference")
@@ -59,8 +60,14 @@ def _nemo_config(cfg: V41Config) -> DeepseekV41TextConfig:
 
 
 @pytest.fixture(scope="module")
-def vocab():
-    return compressed_vocab(tokenizer_json_path())
+def vocab(tmp_path_factory):
+    """Built here, not read back from a map an earlier run kept on disk: the comparison with NeMo
+    checks the build itself."""
+    path = tokenizer_json_path()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EPD_CACHE_DIR", str(tmp_path_factory.mktemp("engram_cache")))
+        engram_vocab._cache.pop(tokenizer_digest(path), None)
+        return compressed_vocab(path)
 
 
 @pytest.fixture(scope="module")

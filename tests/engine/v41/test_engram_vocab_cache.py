@@ -36,7 +36,7 @@ def _kept_file():
 def test_a_built_map_is_kept_and_the_next_process_reads_it_instead_of_building(fresh, built, monkeypatch):
     first = engram_vocab.compressed_vocab(tokenizer_json_path())
     assert fresh == [1] and first.size == built[1] and torch.equal(first.token_map, built[0])
-    assert _kept_file().name == f"{first.digest}.npy"
+    assert _kept_file().name == f"{first.digest}.v{engram_vocab._BUILD_VERSION}.npy"
     monkeypatch.setattr(engram_vocab, "_cache", {})                 # as in a new process
     again = engram_vocab.compressed_vocab(tokenizer_json_path())
     assert fresh == [1]                                             # read back, not rebuilt
@@ -65,6 +65,15 @@ def test_a_damaged_or_invalid_kept_map_is_rebuilt(fresh, built, damage, monkeypa
     assert fresh == [1, 1]                                          # rebuilt
     assert again.size == built[1] and torch.equal(again.token_map, built[0])
     assert np.array_equal(np.load(_kept_file()), built[0].numpy())  # and kept again, whole
+
+
+def test_a_map_kept_by_another_build_version_is_not_read(fresh, built, monkeypatch):
+    engram_vocab.compressed_vocab(tokenizer_json_path())
+    monkeypatch.setattr(engram_vocab, "_BUILD_VERSION", engram_vocab._BUILD_VERSION + 1)
+    monkeypatch.setattr(engram_vocab, "_cache", {})
+    engram_vocab.compressed_vocab(tokenizer_json_path())
+    assert fresh == [1, 1]                                          # the new build's map, built again
+    assert len(list(engram_vocab.cache_dir().glob("*.npy"))) == 2
 
 
 def test_an_unwritable_cache_directory_only_means_building_each_time(fresh, built, tmp_path, monkeypatch):
