@@ -54,6 +54,36 @@ def test_streaming_equals_the_unified_stack(epd_stack, unified_stack):
     assert streamed(epd_stack) == streamed(unified_stack)
 
 
+# Concurrent requests share batches whose make-up depends on timing, and a CPU matmul's rounding depends
+# on its number of rows (MKL and oneDNN pick kernels by shape): in process, one prompt's logprobs move by
+# up to ~1e-4 between running alone and in a batch of 8. V4.1 rounds its KV cache to FP8/FP4, so now and
+# then such a difference crosses a rounding step and the next distributions shift by ~1e-2 (0.02 seen).
+# On random weights the top candidates lie that close, so one prompt's greedy answers may part. Exact
+# equality under concurrency needs batch-invariant workers (tests/chaos runs them); here the answers must
+# agree token by token up to the first difference, and there the two sides' distributions must be the
+# same up to that shift: each chose a token among the other's top 5, and the tokens both list differ by
+# at most SHIFT. A hand-off of the wrong state, or a cache hit on the wrong blocks, gives other candidates.
+SHIFT = 0.05
+
+
+def assert_equal_up_to_batch_rounding(got, expected, prompt):
+    got_tokens, expected_tokens = got.choices[0].logprobs.content, expected.choices[0].logprobs.content
+    for position, (a, b) in enumerate(zip(got_tokens, expected_tokens)):
+        if (a.token, a.bytes) == (b.token, b.bytes):
+            assert abs(a.logprob - b.logprob) <= SHIFT, f"{prompt!r}, token {position}: {a} vs {b}"
+            continue
+        top_a = {(t.token, tuple(t.bytes or ())): t.logprob for t in a.top_logprobs}
+        top_b = {(t.token, tuple(t.bytes or ())): t.logprob for t in b.top_logprobs}
+        both = top_a.keys() & top_b.keys()
+        assert (a.token, tuple(a.bytes or ())) in both and (b.token, tuple(b.bytes or ())) in both and len(both) >= 3, (
+            f"{prompt!r} parts at token {position} with other candidates: {a.top_logprobs} vs {b.top_logprobs}")
+        assert max(abs(top_a[t] - top_b[t]) for t in both) <= SHIFT, (
+            f"{prompt!r} parts at token {position} with distributions further apart than batch rounding moves them: "
+            f"{a.top_logprobs} vs {b.top_logprobs}")
+        return
+    assert answer(got) == answer(expected)
+
+
 def test_a_concurrent_batch_equals_the_unified_stack(epd_stack, unified_stack):
     prompts = ([f"Question {i}: name a color and a number." for i in range(8)]
                + [LONG + f" Keeper {i}?" for i in range(4)])
@@ -61,8 +91,9 @@ def test_a_concurrent_batch_equals_the_unified_stack(epd_stack, unified_stack):
     def run_all(stack):
         oai = client(stack)
         with ThreadPoolExecutor(len(prompts)) as pool:
-            return list(pool.map(lambda p: answer(chat(oai, p, max_tokens=32)), prompts))
-    assert run_all(epd_stack) == run_all(unified_stack)
+            return list(pool.map(lambda p: chat(oai, p, max_tokens=32, logprobs=True, top_logprobs=5), prompts))
+    for prompt, got, expected in zip(prompts, run_all(epd_stack), run_all(unified_stack)):
+        assert_equal_up_to_batch_rounding(got, expected, prompt)
 
 
 def test_max_tokens_one_finishes_at_the_prefill_worker(epd_stack, unified_stack):
