@@ -1,12 +1,48 @@
 """Fixtures shared across the test tree."""
 from __future__ import annotations
 
+import gc
+import os
 from pathlib import Path
 
 import pytest
 
 MODEL_NAME = "deepseek-v4-tiny"
 V41_MODEL_NAME = "deepseek-v41-tiny"
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`pytest -n N`), each worker draws its stacks' ports from its own slice of
+    the range, so two workers never start stacks on the same ports (ops/ports.py)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker and count and "EPD_PORT_RANGE" not in os.environ:
+        from ops.ports import port_range
+        low, high = port_range()
+        size = (high - low) // int(count)
+        index = int(worker.removeprefix("gw"))
+        os.environ["EPD_PORT_RANGE"] = f"{low + index * size}-{low + (index + 1) * size}"
+
+
+# Python's collector counts objects, not bytes: an in-process worker's engine (~1 GB of pools) kept by a
+# reference cycle (a task, a future's traceback) outlives its test until a full collection happens to
+# run, and a test process grew to 15 GB over tests/workers that way. A full collection whenever the
+# process grew by COLLECT_AFTER_BYTES since the last one keeps it near 1-3 GB at a few collections a run.
+COLLECT_AFTER_BYTES = 1 << 30
+_rss_after_collect = [0]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logfinish(nodeid, location):
+    if not os.path.exists("/proc/self/statm"):
+        return
+    if _rss_bytes() - _rss_after_collect[0] > COLLECT_AFTER_BYTES:
+        gc.collect()
+        _rss_after_collect[0] = _rss_bytes()
 
 
 @pytest.fixture(scope="session")
