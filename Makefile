@@ -40,8 +40,12 @@ down:
 status:
 	$(VENV)/bin/epd status
 
+# Two pytest processes (pytest-xdist), each taking whole files so a module's stack is started once: most
+# tests wait on service processes or run one thread of Python, and one process leaves a 2-core machine's
+# second core about half idle. TEST_WORKERS=0 runs the suite in this process (one test at a time).
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The default topology in containers (compose/README.md): the image (compose/build-image picks a base
 # and a BuildKit client), the stack's CURVE keys (compose/make-keys), then Compose.
