@@ -40,9 +40,10 @@ down:
 status:
 	$(VENV)/bin/epd status
 
-# Two pytest processes (pytest-xdist), each taking whole files so a module's stack is started once: most
-# tests wait on service processes or run one thread of Python, and one process leaves a 2-core machine's
-# second core about half idle. TEST_WORKERS=0 runs the suite in this process (one test at a time).
+# Two pytest processes (pytest-xdist): one runs the files that start service processes (marked slow),
+# one after another; the other takes the remaining files whole, and both share what is left at the end
+# (tests/helpers/test_helper_xdist.py). One process alone left a 2-core machine's second core about half idle.
+# TEST_WORKERS=0 runs the suite in this process, one test at a time.
 TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15

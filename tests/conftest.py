@@ -23,6 +23,26 @@ def pytest_configure(config):
         os.environ["EPD_PORT_RANGE"] = f"{low + index * size}-{low + (index + 1) * size}"
 
 
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n N --dist loadfile` (`make test`): whole files, and the files that start service
+    processes run in one process, one after another (tests/helpers/test_helper_xdist.py)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.helpers.test_helper_xdist import StackFilesTogether
+    return StackFilesTogether(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The scheduler above finds stack files by reading them; a slow test it would miss stops the run."""
+    from tests.helpers.test_helper_xdist import stack_files
+    found = stack_files(Path(config.rootpath))
+    missed = sorted({item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")} - found)
+    if missed:
+        raise pytest.UsageError(f"tests marked slow where tests/helpers/test_helper_xdist.py does not see "
+                                f"`pytest.mark.slow` in the file: {missed}")
+
+
 # Python's collector counts objects, not bytes: an in-process worker's engine (~1 GB of pools) kept by a
 # reference cycle (a task, a future's traceback) outlives its test until a full collection happens to
 # run, and a test process grew to 15 GB over tests/workers that way. A full collection whenever the
