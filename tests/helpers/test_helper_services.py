@@ -9,7 +9,9 @@ from services.runtime.config import ServiceConfig
 from services.runtime.service import Service
 from tests.helpers.test_helper_async import eventually
 
-FAST = {"heartbeat_s": 0.1, "dead_after": 5}
+# A dead peer is noticed after 1.5 s. At 0.1 s x 5, an in-process engine step holding the GIL on a loaded
+# machine stalled the loop past 0.5 s: a decode worker took the gateway for dead and dropped its request.
+FAST = {"heartbeat_s": 0.1, "dead_after": 15}
 
 
 class InProcessServices:
