@@ -14,17 +14,16 @@ import socket
 
 def free_port_base(count: int, offset: int = 100) -> int:
     """A port base whose `count` ports and their metrics ports (+offset) are all free now."""
-    low, high = port_range()
-    high -= offset + count
+    low, top = port_range()
+    high = top - offset - count   # the highest base whose metrics ports still fit below top
     if high <= low:
-        raise RuntimeError(f"the port range {low}-{high + offset + count} cannot hold {count} ports "
-                           f"and their metrics ports (+{offset})")
+        raise RuntimeError(f"the port range {low}-{top} cannot hold {count} ports and their metrics ports (+{offset})")
     for _ in range(200):
         base = random.randrange(low, high)
         ports = [*range(base, base + count), *range(base + offset, base + offset + count)]
         if all(port_free(p) for p in ports):
             return base
-    raise RuntimeError(f"no free range of {count} local ports in {low}-{high + offset + count}")
+    raise RuntimeError(f"no free range of {count} local ports in {low}-{top}")
 
 
 def port_range() -> tuple[int, int]:

@@ -48,6 +48,7 @@ def pytest_collection_modifyitems(config, items):
 # run, and a test process grew to 15 GB over tests/workers that way. A full collection whenever the
 # process grew by COLLECT_AFTER_BYTES since the last one keeps it near 1-3 GB at a few collections a run.
 COLLECT_AFTER_BYTES = 1 << 30
+_HAS_STATM = os.path.exists("/proc/self/statm")   # Linux; elsewhere the rule is off
 _rss_after_collect = [0]
 
 
@@ -58,9 +59,7 @@ def _rss_bytes() -> int:
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logfinish(nodeid, location):
-    if not os.path.exists("/proc/self/statm"):
-        return
-    if _rss_bytes() - _rss_after_collect[0] > COLLECT_AFTER_BYTES:
+    if _HAS_STATM and _rss_bytes() - _rss_after_collect[0] > COLLECT_AFTER_BYTES:
         gc.collect()
         _rss_after_collect[0] = _rss_bytes()
 
